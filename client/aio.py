@@ -1,0 +1,87 @@
+"""asyncio ZMQ client: any number of concurrent requests over one DEALER socket; a
+reader task routes each reply to the request it belongs to."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import zmq
+import zmq.asyncio
+
+from meshserve.client.errors import MeshserveError, RequestTimeout
+from meshserve.client.request import make_request
+from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
+
+
+class AsyncClient:
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0):
+        self.address, self.timeout = address, timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._encoder, self._decoder = encoder(), server_decoder()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def generate(self, prompt: str | Sequence[int], *, stream: bool = False, timeout: float | None = None,
+                       request_id: str | None = None, **params) -> Completion | AsyncIterator[Delta]:
+        """As Client.generate; with stream=True, `await` returns an async iterator of Deltas."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        req = make_request(prompt, request_id=request_id, stream=stream, **params)
+        self._queues[req.request_id] = asyncio.Queue()
+        await self._sock.send(self._encoder.encode(req))
+        deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
+        if stream:
+            return deltas
+        completion = Completion(req.request_id)
+        async for delta in deltas:
+            completion.add(delta)
+        return completion
+
+    async def abort(self, request_id: str) -> None:
+        await self._sock.send(self._encoder.encode(AbortRequest(request_id)))
+
+    async def _deltas(self, request_id: str, timeout: float | None) -> AsyncIterator[Delta]:
+        queue = self._queues[request_id]
+        finished = False
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(request_id, timeout) from None
+                if isinstance(msg, ErrorReply):
+                    finished = True
+                    raise MeshserveError(msg.code, msg.message, msg.request_id)
+                finished = msg.finish_reason is not None
+                yield msg
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._sock.recv())
+            if msg.request_id is None:  # an error for a frame the server could not read: tell everyone
+                for q in self._queues.values():
+                    q.put_nowait(msg)
+            elif msg.request_id in self._queues:
+                self._queues[msg.request_id].put_nowait(msg)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,89 @@
+"""Blocking ZMQ client. One DEALER socket; several requests may be in flight from one
+thread (each call reads its own replies and keeps the others'), but a Client is not
+shared between threads: use one per thread, or AsyncClient."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator, Sequence
+
+import zmq
+
+from meshserve.client.errors import MeshserveError, RequestTimeout
+from meshserve.client.request import make_request
+from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
+
+
+class Client:
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0):
+        """`timeout`: seconds to wait for each message of a reply before giving up."""
+        self.address, self.timeout = address, timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._encoder, self._decoder = encoder(), server_decoder()
+        self._pending: dict[str, collections.deque] = {}
+
+    def generate(self, prompt: str | Sequence[int], *, stream: bool = False, timeout: float | None = None,
+                 request_id: str | None = None, **params) -> Completion | Iterator[Delta]:
+        """Generate from a text prompt or token ids. `params`: max_tokens, temperature,
+        top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos, logprobs,
+        skip_special_tokens. stream=False returns a Completion; stream=True an iterator of
+        Deltas, the last with finish_reason and usage. Raises MeshserveError on an error
+        reply and RequestTimeout (after aborting) when the server stays silent."""
+        req = make_request(prompt, request_id=request_id, stream=stream, **params)
+        self._pending[req.request_id] = collections.deque()
+        self._sock.send(self._encoder.encode(req))
+        deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
+        if stream:
+            return deltas
+        completion = Completion(req.request_id)
+        for delta in deltas:
+            completion.add(delta)
+        return completion
+
+    def abort(self, request_id: str) -> None:
+        self._sock.send(self._encoder.encode(AbortRequest(request_id)))
+
+    def _deltas(self, request_id: str, timeout: float | None) -> Iterator[Delta]:
+        finished = False
+        try:
+            while True:
+                msg = self._next(request_id, timeout)
+                if isinstance(msg, ErrorReply):
+                    finished = True
+                    raise MeshserveError(msg.code, msg.message, msg.request_id)
+                finished = msg.finish_reason is not None
+                yield msg
+                if finished:
+                    return
+        finally:
+            self._pending.pop(request_id, None)
+            if not finished:  # the caller stopped reading or timed out: free the server's slot
+                self.abort(request_id)
+
+    def _next(self, request_id: str, timeout: float | None) -> Delta | ErrorReply:
+        queue = self._pending[request_id]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not queue:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._sock.poll(None if wait is None else int(wait * 1000)):
+                raise RequestTimeout(request_id, timeout)
+            msg = self._decoder.decode(self._sock.recv())
+            if msg.request_id is None and isinstance(msg, ErrorReply):
+                raise MeshserveError(msg.code, msg.message)
+            if msg.request_id in self._pending:
+                self._pending[msg.request_id].append(msg)
+        return queue.popleft()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

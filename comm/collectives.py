@@ -1,0 +1,42 @@
+"""torch.distributed wrappers named for what they do to the data (Megatron's mappings).
+
+Each takes the AxisGroup to communicate over; on a group of one it is the identity and
+touches no process group, so single-rank runs need no torch.distributed at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshserve.comm.groups import AxisGroup
+
+
+def reduce_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """All-reduces (sums) `x` over `group`, in place; returns it."""
+    if group.size > 1:
+        dist.all_reduce(x, group=group.device_group)
+    return x
+
+
+def gather_from_tp(x: torch.Tensor, group: AxisGroup, dst: int = 0) -> torch.Tensor | None:
+    """Gathers `x` from every member to member `dst`, concatenated along the last dim.
+
+    Returns the concatenation on `dst` and None elsewhere."""
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    is_dst = group.rank == dst
+    parts = [torch.empty_like(x) for _ in range(group.size)] if is_dst else None
+    dist.gather(x, parts, dst=group.ranks[dst], group=group.device_group)
+    return torch.cat(parts, dim=-1) if is_dst else None
+
+
+def all_gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """All-gathers `x` over `group`, concatenated along the last dim, on every member."""
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x, group=group.device_group)
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,50 @@
+"""One parallel axis as seen from one rank. Built once by meshserve.parallel.topology
+and passed into every layer and collective that needs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The tp, pp or cp group of this rank."""
+
+    name: str
+    size: int
+    rank: int
+    """This rank's index within the group."""
+    ranks: tuple[int, ...]
+    """Global ranks of the group, in group order."""
+    device_group: Any = None
+    """torch.distributed group for tensors on the compute device (NCCL on CUDA, gloo on CPU)."""
+    cpu_group: Any = None
+    """gloo group for host tensors."""
+
+    @classmethod
+    def single(cls, name: str, global_rank: int = 0) -> "AxisGroup":
+        """A group of one: every collective on it is the identity."""
+        return cls(name, 1, 0, (global_rank,))
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (ring order)."""
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous member (ring order)."""
+        return self.ranks[(self.rank - 1) % self.size]

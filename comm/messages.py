@@ -1,0 +1,197 @@
+"""Every message that crosses a socket: typed msgspec structs, encoded as msgpack.
+
+Two families:
+- the client protocol (client <-> driver, ZMQ DEALER/ROUTER): GenerateRequest and
+  AbortRequest in, Delta and ErrorReply out;
+- the control plane (driver <-> ranks): StepPlan out, StepResult back.
+
+Nothing here is ever pickled; a frame that does not decode to one of these types is an
+error for that frame only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Per-request sampling. Defaults follow OpenAI/vLLM (temperature 1, no top-k/p)."""
+
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    min_tokens: NonNegInt = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    """0 disables top-k."""
+    seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=MAX_STOP_STRINGS)] = []
+    """Strings that end generation; they are not part of the output."""
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = []
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    """None: no logprobs; n >= 0: the sampled token's logprob plus the top n."""
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------- client protocol
+
+
+class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    prompt: str | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    params: SamplingParams = SamplingParams()
+    stream: bool = True
+
+
+class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)]
+
+
+ClientMessage = Union[GenerateRequest, AbortRequest]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class TokenLogprob(Struct, array_like=True, frozen=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """The top-n alternatives, most likely first, as (token_id, logprob)."""
+
+
+class Usage(Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Delta(Struct, tag="delta", frozen=True):
+    """New output of one request. The last one has a finish_reason and the usage."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    usage: Usage | None = None
+    stop_reason: str | int | None = None
+    """The stop string or token id that ended the request, if one did."""
+
+
+class Completion(Struct):
+    """All deltas of one request, accumulated (what a non-streaming caller gets)."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    usage: Usage | None = None
+
+    def add(self, delta: Delta) -> "Completion":
+        self.text += delta.text
+        self.token_ids = self.token_ids + delta.token_ids
+        if delta.logprobs:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.usage = delta.finish_reason, delta.stop_reason, delta.usage
+        return self
+
+
+ErrorCode = Literal["bad_request", "too_long", "overloaded", "duplicate_id", "internal", "unavailable"]
+
+
+class ErrorReply(Struct, tag="error", frozen=True):
+    request_id: str | None
+    code: ErrorCode
+    message: str
+
+
+ServerMessage = Union[Delta, ErrorReply]
+
+# ---------------------------------------------------------------- control plane
+
+
+class NewSeq(Struct, array_like=True, frozen=True):
+    """A sequence the ranks have not seen (or resume after preemption), sent in full."""
+
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    num_computed: int
+    """Tokens whose K/V are already in the cache (0 unless a prefix is cached)."""
+    num_new: int
+    """Tokens to compute in this step, starting at num_computed."""
+    params: SamplingParams
+
+
+class SeqDelta(Struct, array_like=True, frozen=True):
+    """A running sequence: what changed since the last plan that mentioned it."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_new: int
+
+
+class StepPlan(Struct, frozen=True, tag="plan"):
+    """One engine step. Batch order: `running`, then `new`. `dropped` lists sequences the
+    ranks should forget (finished, aborted or preempted) before running this step."""
+
+    step_id: int
+    running: list[SeqDelta]
+    new: list[NewSeq]
+    dropped: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.running) + len(self.new)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.running) + sum(s.num_new for s in self.new)
+
+
+class Shutdown(Struct, frozen=True, tag="shutdown"):
+    reason: str = ""
+
+
+ControlMessage = Union[StepPlan, Shutdown]
+
+
+class StepResult(Struct, frozen=True, tag="result"):
+    """Tokens sampled in one step, for the sequences whose known tokens were all computed."""
+
+    step_id: int
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def client_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what clients send to the driver."""
+    return msgspec.msgpack.Decoder(ClientMessage)
+
+
+def server_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the driver sends to clients."""
+    return msgspec.msgpack.Decoder(ServerMessage)

@@ -1,0 +1,73 @@
+"""The memory plan of one rank: weights, KV bytes per token, number of KV blocks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from meshserve.configs.errors import ConfigError
+from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.schema import Config
+from meshserve.configs.validate import resolved_max_model_len
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def local_num_kv_heads(num_key_value_heads: int, tp_size: int) -> int:
+    """KV heads held by one TP rank: sharded when tp <= kv heads, one replicated head otherwise."""
+    return max(1, num_key_value_heads // tp_size)
+
+
+def layers_per_stage(num_layers: int, pp_size: int) -> list[int]:
+    """Even split; the first stages take the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    return [base + (1 if s < extra else 0) for s in range(pp_size)]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    dtype: str
+    weight_bytes: int
+    """The largest rank's share of the weights."""
+    kv_bytes_per_token: int
+    """Per rank: K and V of every layer on the rank, local KV heads only."""
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size * self.num_blocks
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+    def as_dict(self) -> dict[str, int | str]:
+        return asdict(self) | {"kv_cache_bytes": self.kv_cache_bytes, "kv_cache_tokens": self.kv_cache_tokens}
+
+
+def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default>") -> MemoryPlan:
+    tp, pp = config.parallel.tensor, config.parallel.pipeline
+    dtype = config.torch_dtype_name
+    nbytes = DTYPE_BYTES[dtype]
+    h, v = info.hidden_size, info.vocab_size
+    embed = math.ceil(v / tp) * h
+    per_layer = (info.num_parameters - v * h * (1 if info.tie_word_embeddings else 2) - h) / info.num_hidden_layers
+    stage_layers = max(layers_per_stage(info.num_hidden_layers, pp))
+    # The first stage holds the embedding, the last the LM head (tied: loaded on both ends).
+    ends = embed * (1 if (pp > 1 or info.tie_word_embeddings) else 2)
+    weight_bytes = int((stage_layers * per_layer / tp + ends + h) * nbytes)
+
+    kv_heads = local_num_kv_heads(info.num_key_value_heads, tp)
+    kv_per_token = 2 * stage_layers * kv_heads * info.head_dim * nbytes
+    block = config.cache.block_size
+    num_blocks = config.cache.num_blocks or int(config.cache.memory) // (kv_per_token * block)
+    max_len = resolved_max_model_len(config, info)
+    if num_blocks * block < max_len:
+        raise ConfigError(
+            f"{source}: the KV cache holds {num_blocks} blocks x {block} tokens = {num_blocks * block} tokens per rank, "
+            f"fewer than model.max_model_len={max_len}; raise cache.memory (now {int(config.cache.memory)} bytes, "
+            f"{kv_per_token} bytes per token) or lower model.max_model_len"
+        )
+    return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len)

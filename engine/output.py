@@ -1,0 +1,91 @@
+"""From sampled tokens to what a client sees: stop conditions, incremental text with
+stop strings held back, logprobs, and the final usage record. Runs on the driver's
+step loop, right after each step, so a stop is acted on before the next step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshserve.comm.messages import Delta, FinishReason, TokenLogprob, Usage
+from meshserve.engine.sequence import Sequence
+from meshserve.engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    request_id: str
+    stream: bool
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent_logprobs: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def holdback(self) -> int:
+        """Characters kept back while streaming: a stop string may be starting there."""
+        stops = self.seq.params.stop
+        return max(len(s) for s in stops) - 1 if stops else 0
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def on_token(self, state: RequestState, logprob: TokenLogprob | None) -> Delta | None:
+        """Account for the token just appended to `state.seq`; decide whether it finishes
+        the request; return what the client should receive now (None: nothing yet)."""
+        seq, params = state.seq, state.seq.params
+        token = seq.token_ids[-1]
+        if logprob is not None:
+            state.logprobs.append(logprob)
+        may_stop = seq.num_output_tokens > params.min_tokens  # the sampler bans stop tokens before that
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+            state.finish_reason = "stop"
+        elif may_stop and token in params.stop_token_ids:
+            state.finish_reason, state.stop_reason = "stop", token
+        else:
+            before = len(state.text)
+            state.text += state.detokenizer.step(token)
+            if may_stop and params.stop:
+                self._check_stop_strings(state, before)
+        if state.finish_reason is None and (seq.num_output_tokens >= params.max_tokens
+                                            or seq.num_tokens >= self.max_model_len):
+            state.finish_reason = "length"
+        return self._delta(state)
+
+    @staticmethod
+    def _check_stop_strings(state: RequestState, before: int) -> None:
+        hits = []
+        for stop in state.seq.params.stop:
+            at = state.text.find(stop, max(0, before - len(stop) + 1))
+            if at >= 0:
+                hits.append((at, stop))
+        if hits:
+            at, stop = min(hits)
+            state.text = state.text[:at]
+            state.finish_reason, state.stop_reason = "stop", stop
+
+    def abort(self, state: RequestState) -> Delta:
+        state.finish_reason = "abort"
+        return self._delta(state)
+
+    def _delta(self, state: RequestState) -> Delta | None:
+        done = state.finish_reason is not None
+        if not done and not state.stream:
+            return None
+        end = len(state.text) if done else max(state.sent_chars, len(state.text) - state.holdback)
+        tokens = state.seq.output_token_ids[state.sent_tokens:]
+        if not done and not tokens and end == state.sent_chars:
+            return None
+        text = state.text[state.sent_chars:end]
+        logprobs = state.logprobs[state.sent_logprobs:] if state.logprobs else None
+        state.sent_chars, state.sent_tokens, state.sent_logprobs = end, state.seq.num_output_tokens, len(state.logprobs)
+        usage = Usage(state.seq.prompt_len, state.seq.num_output_tokens) if done else None
+        return Delta(state.request_id, text, tokens, state.finish_reason if done else None, logprobs, usage,
+                     state.stop_reason if done else None)

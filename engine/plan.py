@@ -1,0 +1,41 @@
+"""Scheduled batch -> StepPlan: new sequences in full, known ones as deltas.
+
+The driver remembers, per sequence, how many tokens and blocks the ranks hold; a
+sequence the ranks do not know (new, or resumed after preemption) is sent whole.
+"""
+
+from __future__ import annotations
+
+from meshserve.comm.messages import NewSeq, SeqDelta, StepPlan
+from meshserve.engine.scheduler import ScheduledBatch
+from meshserve.engine.sequence import Sequence
+
+
+class PlanBuilder:
+    def __init__(self) -> None:
+        self._step_id = 0
+        self._dropped: list[int] = []
+
+    def forget(self, seq: Sequence) -> None:
+        """The ranks must drop `seq` (finished, aborted or preempted) before the next step."""
+        if seq.sent_tokens:
+            self._dropped.append(seq.seq_id)
+        seq.sent_tokens = seq.sent_blocks = 0
+
+    def build(self, batch: ScheduledBatch) -> StepPlan:
+        for seq in batch.preempted:
+            self.forget(seq)
+        running: list[SeqDelta] = []
+        new: list[NewSeq] = []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.sent_tokens:
+                running.append(SeqDelta(seq.seq_id, seq.token_ids[seq.sent_tokens:],
+                                        seq.block_ids[seq.sent_blocks:], n))
+            else:
+                new.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len, list(seq.block_ids),
+                                  seq.num_computed, n, seq.params))
+            seq.sent_tokens, seq.sent_blocks = seq.num_tokens, len(seq.block_ids)
+        plan = StepPlan(self._step_id, running, new, self._dropped)
+        self._step_id += 1
+        self._dropped = []
+        return plan

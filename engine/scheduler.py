@@ -1,0 +1,114 @@
+"""Continuous batching at iteration level. Plain Python: no torch.
+
+There is no prefill phase: each step gives every scheduled sequence a number of new
+tokens to compute (its whole uncomputed tail, or a chunk of it when the token budget
+runs short), so chunked prefill and mixed prefill + decode steps need no special path.
+
+Order is first-come first-served: running sequences first, in admission order, then
+waiting ones. When blocks run out, the most recently admitted running sequence is
+preempted by recompute: its blocks are freed and it returns to the front of the
+waiting queue with its tokens kept, to be prefilled again later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.can_grow(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, n)
+                batch.seqs.append(seq)
+                batch.num_new.append(n)
+                budget -= n
+                i += 1
+        # Admit only when nothing was preempted: memory is short this step.
+        while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a finished step: computed counts advance, and each sequence whose known
+        tokens are now all computed appends its sampled token. Returns those sequences."""
+        grown = []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            seq.num_computed += n
+            if seq.num_computed == seq.num_tokens:
+                seq.token_ids.append(sampled[seq.seq_id])
+                grown.append(seq)
+        return grown
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove `seq` from the queues and free its blocks (finished or aborted)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SeqStatus.FINISHED

@@ -1,0 +1,52 @@
+"""A request as the driver's scheduler sees it. Plain Python: no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from meshserve.comm.messages import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    key: Hashable
+    """Who asked: (client identity, request id) on the server, an index offline."""
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    """Tokens whose K/V are in the cache."""
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # What the ranks already hold (control-plane deltas); 0 tokens: the ranks do not know it.
+    sent_tokens: int = 0
+    sent_blocks: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed

@@ -1,0 +1,132 @@
+"""Paged attention, torch reference backend (CPU, and the oracle for other backends).
+
+The KV cache of one layer is two tensors (k_cache, v_cache) of shape
+(num_blocks, block_size, local_num_kv_heads, head_dim). A sequence's tokens live in the
+blocks its block table lists; token t of a sequence is at slot
+block_table[t // block_size] * block_size + t % block_size.
+
+A step is a flat batch of new tokens from several sequences: sequences with one new
+token (decodes) are computed together in one batched call; sequences with several
+(prefill chunks) one by one, each attending to its cached prefix and itself, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    start: int
+    """First row of this sequence's tokens in the flat batch."""
+    query_len: int
+    seq_len: int
+    """Tokens in the cache after this step: cached prefix + query_len."""
+    block_table: torch.Tensor
+    """(num_blocks_of_seq,) block ids."""
+    mask: torch.Tensor | None = None
+    """(query_len, seq_len) bool, causal aligned to the bottom right; None if no prefix."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every layer (flash-attn / vLLM names)."""
+
+    slot_mapping: torch.Tensor
+    """(num_tokens,) cache slot of each new token."""
+    query_start_loc: list[int]
+    """(num_seqs + 1,) cu_seqlens_q, on the host."""
+    seq_lens: list[int]
+    """(num_seqs,) tokens in the cache after this step, on the host."""
+    decode_rows: torch.Tensor | None = None
+    """(num_decodes,) rows of the single-token sequences in the flat batch."""
+    decode_block_tables: torch.Tensor | None = None
+    """(num_decodes, max_blocks) block ids, padded with block 0."""
+    decode_mask: torch.Tensor | None = None
+    """(num_decodes, 1, 1, max_blocks * block_size) bool: which cached positions exist."""
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                             block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Host lists -> the tensors the torch backend needs, built once per step."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    slots: list[int] = []
+    for q, s, table in zip(query_lens, seq_lens, block_tables):
+        for pos in range(s - q, s):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=starts,
+        seq_lens=list(seq_lens),
+    )
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    if decodes:
+        width = max(len(block_tables[i]) for i in decodes)
+        tables = [block_tables[i] + [0] * (width - len(block_tables[i])) for i in decodes]
+        meta.decode_rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+        lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+        meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
+    for i, q in enumerate(query_lens):
+        if q == 1:
+            continue
+        s = seq_lens[i]
+        n_blocks = (s + block_size - 1) // block_size
+        mask = None
+        if s != q:
+            mask = torch.arange(s, device=device)[None, :] <= (torch.arange(q, device=device)[:, None] + (s - q))
+        meta.prefills.append(PrefillChunk(starts[i], q, s, torch.tensor(block_tables[i][:n_blocks], device=device), mask))
+    return meta
+
+
+class PagedAttention(nn.Module):
+    """softmax(q k^T * scale) v over each sequence's cached keys and values, with GQA."""
+
+    def __init__(self, local_num_heads: int, local_num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.local_num_heads, self.local_num_kv_heads, self.head_dim = local_num_heads, local_num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        # q: (num_tokens, local_num_heads, head_dim); k, v: (num_tokens, local_num_kv_heads, head_dim)
+        k_cache, v_cache = kv_cache
+        k_cache.view(-1, self.local_num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.local_num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # (num_decodes, max_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
+        keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                           scale=self.scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.mask is None:  # no cached prefix: attend within the chunk, the new K/V at hand
+            keys, values = k, v
+        else:
+            keys = k_cache[chunk.block_table].flatten(0, 1)[: chunk.seq_len]
+            values = v_cache[chunk.block_table].flatten(0, 1)[: chunk.seq_len]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                           attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                           scale=self.scale, enable_gqa=True)
+        return o.transpose(0, 1)

@@ -1,0 +1,67 @@
+"""Vocab-parallel embedding and LM head: the vocabulary is split into tp equal ranges
+(padded to a multiple of tp), rank i holding rows [i * V/tp, (i+1) * V/tp)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.comm.collectives import gather_from_tp, reduce_from_tp
+from meshserve.comm.groups import AxisGroup
+from meshserve.layers.weights import CheckpointTensor
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank i looks up the ids in its range and writes zeros for the others; the sum
+    over ranks is the full embedding.
+
+    All-reduces the output over `tp`."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: AxisGroup, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.local_vocab_size = math.ceil(vocab_size / tp.size)
+        self.vocab_start = tp.rank * self.local_vocab_size
+        self.vocab_end = self.vocab_start + self.local_vocab_size
+        self.weight = nn.Parameter(torch.empty(self.local_vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        rows = max(0, min(self.local_vocab_size, self.vocab_size - self.vocab_start))
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint vocab has {loaded.shape[0]} rows, the model {self.vocab_size}")
+        with torch.no_grad():
+            param.zero_()  # padding rows beyond the real vocabulary stay zero
+            if rows:
+                param[:rows].copy_(loaded.narrow(0, self.vocab_start, rows).load())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # (num_tokens,) -> (num_tokens, hidden_size)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = (input_ids - self.vocab_start) * mine
+        out = F.embedding(local_ids, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return reduce_from_tp(out, self.tp)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T with W split by vocabulary rows; rank i computes its vocabulary
+    slice, and the slices are gathered to TP rank 0, the sampling rank.
+
+    Gathers the logits over `tp` to tp rank 0; other ranks get None."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: AxisGroup, dtype: torch.dtype = torch.float32,
+                 tied_to: VocabParallelEmbedding | None = None):
+        super().__init__(vocab_size, hidden_size, tp, dtype)
+        if tied_to is not None:
+            self.weight = tied_to.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # (num_samples, hidden_size) -> (num_samples, vocab_size) on tp rank 0
+        logits = gather_from_tp(F.linear(hidden, self.weight), self.tp, dst=0)
+        return None if logits is None else logits[:, : self.vocab_size]

@@ -1,0 +1,154 @@
+"""Tensor-parallel linear layers (Megatron's scheme; the group is passed in).
+
+Every parameter carries a `weight_loader(param, checkpoint_tensor, shard_id=None)` that
+narrows the checkpoint tensor to this rank's slice before reading it, so a rank reads
+only its shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.comm.collectives import reduce_from_tp
+from meshserve.comm.groups import AxisGroup
+from meshserve.configs.memory import local_num_kv_heads
+from meshserve.layers.weights import CheckpointTensor
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
+    return numerator // denominator
+
+
+def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint shard has shape {tuple(loaded.shape)}, parameter expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        # (output_size, input_size), as nn.Linear and checkpoints store it
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    """Y = XA + b with the whole A on every rank."""
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        _copy_into(param, loaded.load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = XA + b, A = [A_1 ... A_p] split along its output columns; rank i holds A_i and
+    returns Y_i = XA_i + b_i (its slice of the output). No communication."""
+
+    def __init__(self, input_size: int, output_size: int, tp: AxisGroup, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        self.tp = tp
+        self.input_size, self.output_size = input_size, output_size
+        self.local_output_size = _divide(output_size, tp.size, "output_size")
+        super().__init__(input_size, self.local_output_size, bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        n = self.local_output_size
+        _copy_into(param, loaded.narrow(0, self.tp.rank * n, n).load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (num_tokens, input_size) -> (num_tokens, local_output_size)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored as one matrix (gate and up of the MLP), so
+    one matmul computes them. Rank i holds [A_1,i ; A_2,i ; ...]."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], tp: AxisGroup, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), tp, bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        size = _divide(self.output_sizes[shard_id], self.tp.size, f"output_sizes[{shard_id}]")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        _copy_into(param.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size).load())
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one column-parallel matrix, split by heads.
+
+    Query heads are always sharded. KV heads are sharded when tp <= num_kv_heads and
+    replicated when tp > num_kv_heads: then tp / num_kv_heads consecutive ranks share one
+    KV head, which keeps each rank's query heads next to the KV head they attend with."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: AxisGroup,
+                 bias: bool = False, dtype: torch.dtype = torch.float32):
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.local_num_heads = _divide(num_heads, tp.size, "num_attention_heads")
+        self.local_num_kv_heads = local_num_kv_heads(num_kv_heads, tp.size)
+        if tp.size > num_kv_heads and tp.size % num_kv_heads:
+            raise ValueError(f"tp_size={tp.size} is not a multiple of num_key_value_heads={num_kv_heads}")
+        local_output_size = (self.local_num_heads + 2 * self.local_num_kv_heads) * head_dim
+        super().__init__(hidden_size, local_output_size * tp.size, tp, bias, dtype)
+
+    @property
+    def local_sizes(self) -> tuple[int, int, int]:
+        q = self.local_num_heads * self.head_dim
+        kv = self.local_num_kv_heads * self.head_dim
+        return q, kv, kv
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        q, kv, _ = self.local_sizes
+        if shard_id == "q":
+            offset, size, start = 0, q, self.tp.rank * q
+        else:
+            kv_head = self.tp.rank * self.local_num_kv_heads if self.tp.size <= self.num_kv_heads \
+                else self.tp.rank // (self.tp.size // self.num_kv_heads)
+            offset = q if shard_id == "k" else q + kv
+            size, start = kv, kv_head * self.head_dim
+        _copy_into(param.narrow(0, offset, size), loaded.narrow(0, start, size).load())
+
+
+class RowParallelLinear(LinearBase):
+    """Y = XA + b, A = [A_1; ...; A_p] split along its input rows, X = [X_1 ... X_p]
+    already split by columns (the output of a column-parallel layer). Rank i computes
+    X_i A_i; the sum over ranks is all-reduced over `tp`, and b is added once, after it.
+
+    All-reduces the output over `tp`."""
+
+    def __init__(self, input_size: int, output_size: int, tp: AxisGroup, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        self.tp = tp
+        self.input_size, self.output_size = input_size, output_size
+        self.local_input_size = _divide(input_size, tp.size, "input_size")
+        super().__init__(self.local_input_size, output_size, bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # bias: whole, added after the reduction
+            _copy_into(param, loaded.load())
+            return
+        n = self.local_input_size
+        _copy_into(param, loaded.narrow(1, self.tp.rank * n, n).load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (num_tokens, local_input_size) -> (num_tokens, output_size)
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,164 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2): GQA, RMSNorm, SwiGLU,
+RoPE, optional QKV bias, tied or untied embeddings.
+
+The model works on a flat batch of new tokens from many sequences, (num_tokens, ...),
+with no padding. It holds the layers of one pipeline stage: the embedding only on the
+first stage, the final norm and LM head only on the last.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.comm.groups import AxisGroup
+from meshserve.configs.model_info import ModelInfo
+from meshserve.layers.attention import AttentionMetadata, PagedAttention
+from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from meshserve.layers.norm import RMSNorm
+from meshserve.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# Checkpoint tensors that land in one of our fused parameters: (ours, theirs, shard id).
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    """One all-reduce: in o_proj (row-parallel)."""
+
+    def __init__(self, info: ModelInfo, tp: AxisGroup, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(info.hidden_size, info.head_dim, info.num_attention_heads,
+                                          info.num_key_value_heads, tp, bias=info.attention_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(info.num_attention_heads * info.head_dim, info.hidden_size, tp, dtype=dtype)
+        self.local_num_heads = self.qkv_proj.local_num_heads
+        self.local_num_kv_heads = self.qkv_proj.local_num_kv_heads
+        self.head_dim = info.head_dim
+        self.rotary = rotary
+        self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.local_sizes, dim=-1)
+        q = q.view(-1, self.local_num_heads, self.head_dim)  # (num_tokens, local_num_heads, head_dim)
+        k = k.view(-1, self.local_num_kv_heads, self.head_dim)  # (num_tokens, local_num_kv_heads, head_dim)
+        v = v.view(-1, self.local_num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.flatten(1))  # (num_tokens, hidden_size)
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); one all-reduce, in down_proj (row-parallel)."""
+
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(info.hidden_size, [info.intermediate_size] * 2, tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(info.intermediate_size, info.hidden_size, tp, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (num_tokens, local_intermediate_size) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(info, tp, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(info, tp, dtype)
+
+    def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, layer_range: tuple[int, int],
+                 has_embedding: bool, has_head: bool, max_position: int):
+        super().__init__()
+        self.layer_start, self.layer_end = layer_range
+        self.embed_tokens = VocabParallelEmbedding(info.vocab_size, info.hidden_size, tp, dtype) if has_embedding else None
+        rotary = RotaryEmbedding(info.head_dim, max_position, info.rope_theta, info.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, rotary, dtype) for _ in range(*layer_range))
+        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype) if has_head else None
+
+    def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: AttentionMetadata):
+        """First stage: from input_ids. Later stages: from the previous stage's (hidden,
+        residual). Last stage returns the final-normed hidden states and residual None."""
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if self.norm is not None:
+            hidden, _ = self.norm(hidden, residual)
+            residual = None
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, *, layer_range: tuple[int, int] | None = None,
+                 is_first_stage: bool = True, is_last_stage: bool = True, max_position: int | None = None):
+        super().__init__()
+        self.info = info
+        layer_range = layer_range or (0, info.num_hidden_layers)
+        self.model = LlamaModel(info, tp, dtype, layer_range, is_first_stage, is_last_stage,
+                                max_position or info.max_position_embeddings)
+        self.lm_head = None
+        if is_last_stage:
+            tied = self.model.embed_tokens if info.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(info.vocab_size, info.hidden_size, tp, dtype, tied_to=tied)
+
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.model.layers)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        return self.model(input_ids, positions, hidden, residual, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(num_samples, hidden_size) -> (num_samples, vocab_size) float32 on tp rank 0, else None."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
+
+    def checkpoint_to_param(self, name: str) -> tuple[str, object] | None:
+        """Map a checkpoint tensor name to (our parameter name, shard id), or None if this
+        stage does not hold it."""
+        m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+        if m:
+            layer = int(m.group(1))
+            if not self.model.layer_start <= layer < self.model.layer_end:
+                return None
+            name = f"model.layers.{layer - self.model.layer_start}.{m.group(2)}"
+        elif name == "lm_head.weight" and self.info.tie_word_embeddings:
+            return None  # tied: the embedding's rows serve as the head
+        elif name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+            if not (self.info.tie_word_embeddings and self.lm_head is not None):
+                return None
+            name = "lm_head.weight"  # a tied head on a stage without the embedding loads it itself
+        elif name == "lm_head.weight" and self.lm_head is None:
+            return None
+        elif name == "model.norm.weight" and self.model.norm is None:
+            return None
+        for ours, theirs, shard in STACKED_PARAMS:
+            if f".{theirs}." in name:
+                return name.replace(f".{theirs}.", f".{ours}."), shard
+        return name, None

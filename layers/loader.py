@@ -1,0 +1,43 @@
+"""Build the model of one rank and fill it from the checkpoint, reading only its shard."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from tqdm import tqdm
+
+from meshserve.configs.model_info import ModelInfo
+from meshserve.layers.llama import LlamaForCausalLM
+from meshserve.layers.weights import iter_checkpoint
+
+
+def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool = False) -> None:
+    """Each parameter's weight_loader narrows the checkpoint tensor to this rank's slice."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with ExitStack() as stack:
+        tensors = list(iter_checkpoint(info, stack))
+        for ckpt_name, tensor in tqdm(tensors, desc="loading weights", unit="tensor", disable=not show_progress):
+            target = model.checkpoint_to_param(ckpt_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in the model")
+            param = params[name]
+            param.weight_loader(param, tensor, shard)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise KeyError(f"{info.path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device | str = "cpu",
+                layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
+                max_position: int | None = None, show_progress: bool = False) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(info, tp, dtype, layer_range=layer_range, is_first_stage=is_first_stage,
+                                 is_last_stage=is_last_stage, max_position=max_position)
+    load_weights(model, info, show_progress)
+    return model.eval()

@@ -1,0 +1,106 @@
+"""Token sampling for a batch of sequences, each with its own parameters.
+
+Greedy rows take the argmax. Random rows sample with the exponential-race trick
+(argmax of p / E, E ~ Exp(1), as gpt-fast's `multinomial_sample_one_no_sync`), so the
+whole batch samples with one argmax and no host sync. A seeded row draws its noise
+from a generator seeded by (seed, sequence length): the same request with the same
+seed samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.comm.messages import SamplingParams, TokenLogprob
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    num_tokens: int
+    """Length of the sequence before the sampled token is appended."""
+    prompt_len: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+
+def _row_seed(seed: int, num_tokens: int) -> int:
+    return (seed * _MIX + num_tokens) % (1 << 63)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int | None = None):
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        # logits: (num_rows, vocab_size) float32
+        self._apply_min_tokens(logits, rows)
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows)
+            if any(greedy):
+                mask = torch.tensor(greedy, device=logits.device)
+                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+        token_list = tokens.tolist()
+        if logprobs is None:
+            return token_list, None
+        return token_list, [self._logprob(logprobs[i], t, r.params.logprobs)
+                            for i, (t, r) in enumerate(zip(token_list, rows))]
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, r in enumerate(rows):
+            if r.num_output_tokens < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
+        scaled = logits / temps.unsqueeze(1)
+        top_k = [r.params.top_k for r in rows]
+        if any(top_k):
+            k_max = min(max(top_k), scaled.shape[-1])
+            kth = scaled.topk(k_max, dim=-1).values
+            k = torch.tensor([min(k, k_max) - 1 if k else k_max - 1 for k in top_k], device=logits.device)
+            threshold = kth.gather(1, k.unsqueeze(1))
+            limited = torch.tensor([bool(k) for k in top_k], device=logits.device).unsqueeze(1)
+            scaled = scaled.masked_fill(limited & (scaled < threshold), float("-inf"))
+        top_p = [r.params.top_p for r in rows]
+        if any(p < 1.0 for p in top_p):
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            # drop a token when the tokens ranked above it already reach top_p
+            drop = (probs.cumsum(dim=-1) - probs) > torch.tensor(top_p, device=logits.device).unsqueeze(1)
+            scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                g = torch.Generator(device=logits.device).manual_seed(_row_seed(r.params.seed, r.num_tokens))
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprob(row: torch.Tensor, token: int, n: int | None) -> TokenLogprob | None:
+        if n is None:
+            return None
+        top = []
+        if n:
+            values, ids = row.topk(n)
+            top = list(zip(ids.tolist(), values.tolist()))
+        return TokenLogprob(token, float(row[token]), top)

@@ -1,0 +1,175 @@
+"""Lazy checkpoint tensors: a rank narrows a tensor to its shard *before* reading it.
+
+`iter_checkpoint(info)` yields (Hugging Face name, CheckpointTensor) for a HF directory
+(safetensors, sharded index too) or a GGUF file. A CheckpointTensor knows its shape,
+can be narrowed along a dimension without reading data, and is read by `load()`:
+safetensors through `get_slice`, GGUF by reading only the quantized rows (and, when
+block-aligned, only the column blocks) of the shard, then dequantizing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Protocol
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from safetensors import safe_open
+
+from meshserve.configs.gguf_meta import open_gguf
+from meshserve.configs.model_info import ModelInfo
+
+
+class CheckpointTensor(Protocol):
+    shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor": ...
+
+    def load(self) -> torch.Tensor: ...
+
+
+def _narrowed(ranges: list[tuple[int, int]], dim: int, start: int, length: int) -> list[tuple[int, int]]:
+    lo, hi = ranges[dim]
+    if start < 0 or length < 0 or lo + start + length > hi:
+        raise ValueError(f"narrow(dim={dim}, start={start}, length={length}) outside size {hi - lo}")
+    out = list(ranges)
+    out[dim] = (lo + start, lo + start + length)
+    return out
+
+
+class SafetensorsTensor:
+    def __init__(self, handle, name: str, ranges: list[tuple[int, int]] | None = None):
+        self._handle, self._name = handle, name
+        self._ranges = ranges or [(0, n) for n in handle.get_slice(name).get_shape()]
+        self.shape = tuple(hi - lo for lo, hi in self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> "SafetensorsTensor":
+        return SafetensorsTensor(self._handle, self._name, _narrowed(self._ranges, dim, start, length))
+
+    def load(self) -> torch.Tensor:
+        return self._handle.get_slice(self._name)[tuple(slice(lo, hi) for lo, hi in self._ranges)]
+
+
+class GGUFTensor:
+    """A 1-D or 2-D GGUF tensor, in torch order (rows = output features).
+
+    `rows` selects (and may reorder) rows of the quantized data; ggml quantizes each row
+    independently, so a row selection reads only those rows' bytes."""
+
+    def __init__(self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...],
+                 rows: np.ndarray | None = None, cols: tuple[int, int] | None = None):
+        self._data, self._qtype = data, qtype
+        self._full_shape = shape
+        self._rows = rows
+        self._cols = cols or (0, shape[-1])
+        n_rows = len(rows) if rows is not None else (shape[0] if len(shape) == 2 else 1)
+        width = self._cols[1] - self._cols[0]
+        self.shape = (n_rows, width) if len(shape) == 2 else (width,)
+
+    def narrow(self, dim: int, start: int, length: int) -> "GGUFTensor":
+        dim = dim % len(self.shape)
+        if len(self.shape) == 2 and dim == 0:
+            rows = self._rows if self._rows is not None else np.arange(self._full_shape[0])
+            if start < 0 or start + length > len(rows):
+                raise ValueError(f"narrow(dim=0, start={start}, length={length}) outside size {len(rows)}")
+            return GGUFTensor(self._data, self._qtype, self._full_shape, rows[start:start + length], self._cols)
+        lo, hi = _narrowed([self._cols], 0, start, length)[0]
+        return GGUFTensor(self._data, self._qtype, self._full_shape, self._rows, (lo, hi))
+
+    def load(self) -> torch.Tensor:
+        data = self._data if len(self._full_shape) == 2 else self._data.reshape(1, -1)
+        if self._rows is not None:
+            data = data[self._rows]
+        block, type_size = gguf.GGML_QUANT_SIZES[self._qtype]
+        lo, hi = self._cols
+        if lo % block == 0 and hi % block == 0 and self._qtype not in (gguf.GGMLQuantizationType.F32,
+                                                                       gguf.GGMLQuantizationType.F16,
+                                                                       gguf.GGMLQuantizationType.BF16):
+            values = dequantize(np.ascontiguousarray(data[:, lo // block * type_size: hi // block * type_size]), self._qtype)
+        else:
+            values = dequantize(np.ascontiguousarray(data), self._qtype)[:, lo:hi]
+        out = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy, off the mmap
+        return out.reshape(self.shape)
+
+
+# ----------------------------------------------------------------------- HF directory
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / n for n in names]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    return files
+
+
+def _iter_hf(info: ModelInfo, stack: ExitStack) -> Iterator[tuple[str, CheckpointTensor]]:
+    for file in _safetensors_files(Path(info.path)):
+        handle = stack.enter_context(safe_open(str(file), framework="pt"))
+        for name in handle.keys():
+            yield name, SafetensorsTensor(handle, name)
+
+
+# ------------------------------------------------------------------------------ GGUF
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    m = _BLOCK.fullmatch(name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_GGUF_LAYER[part]}.{kind}" if part in _GGUF_LAYER else None
+    stem, _, kind = name.rpartition(".")
+    return f"{_GGUF_GLOBAL[stem]}.{kind}" if stem in _GGUF_GLOBAL else None
+
+
+def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation (interleaved -> half-split RoPE).
+
+    llama.cpp stores each head's rows as (head_dim/2, 2) pairs; Hugging Face as (2, head_dim/2).
+    The permutation stays inside a head, so narrowing by whole heads commutes with it."""
+    half = num_rows // num_heads // 2
+    idx = np.arange(num_rows).reshape(num_heads, half, 2)
+    return idx.swapaxes(1, 2).reshape(-1)
+
+
+def _iter_gguf(info: ModelInfo) -> Iterator[tuple[str, CheckpointTensor]]:
+    reader = open_gguf(info.path)
+    for t in reader.tensors:
+        hf_name = gguf_to_hf_name(t.name)
+        if hf_name is None:
+            continue
+        shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
+        rows = None
+        if info.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            heads = info.num_attention_heads if ".q_proj." in hf_name else info.num_key_value_heads
+            rows = unpermute_rows(shape[0], heads)
+        yield hf_name, GGUFTensor(t.data, t.tensor_type, shape, rows)
+
+
+def iter_checkpoint(info: ModelInfo, stack: ExitStack) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(Hugging Face name, lazy tensor) for every tensor of the checkpoint. File handles
+    stay open until `stack` closes."""
+    return _iter_gguf(info) if info.format == "gguf" else _iter_hf(info, stack)
