@@ -171,7 +171,19 @@ class Shutdown(Struct, frozen=True, tag="shutdown"):
     reason: str = ""
 
 
-ControlMessage = Union[StepPlan, Shutdown]
+class Hello(Struct, frozen=True, tag="hello"):
+    """Published by the driver until every rank has answered Ready: a SUB socket that
+    has seen a Hello is subscribed, so it cannot miss the first plan."""
+
+    session: str
+
+
+class Ready(Struct, frozen=True, tag="ready"):
+    rank: int
+    session: str
+
+
+ControlMessage = Union[StepPlan, Shutdown, Hello]
 
 
 class StepResult(Struct, frozen=True, tag="result"):
@@ -181,6 +193,9 @@ class StepResult(Struct, frozen=True, tag="result"):
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
+
+
+RankMessage = Union[StepResult, Ready]
 
 
 def encoder() -> msgspec.msgpack.Encoder:
@@ -195,3 +210,13 @@ def client_decoder() -> msgspec.msgpack.Decoder:
 def server_decoder() -> msgspec.msgpack.Decoder:
     """Decodes what the driver sends to clients."""
     return msgspec.msgpack.Decoder(ServerMessage)
+
+
+def control_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the driver publishes to the ranks."""
+    return msgspec.msgpack.Decoder(ControlMessage)
+
+
+def rank_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the ranks send back to the driver."""
+    return msgspec.msgpack.Decoder(RankMessage)

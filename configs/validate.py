@@ -50,6 +50,8 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
             f"parallel.tensor={tp} neither divides num_key_value_heads={kv} (to shard them) nor is a multiple of it "
             f"(to replicate them) (try {_or_list(valid_tensor_sizes(info))})"
         )
+    if info.intermediate_size % tp:
+        problems.append(f"parallel.tensor={tp} does not divide intermediate_size={info.intermediate_size}")
     if pp > info.num_hidden_layers:
         problems.append(f"parallel.pipeline={pp} exceeds num_hidden_layers={info.num_hidden_layers}")
     max_len = resolved_max_model_len(config, info)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from meshserve.comm.messages import StepPlan, StepResult
+from meshserve.comm.control import DriverChannel
+from meshserve.comm.messages import Shutdown, StepPlan, StepResult
 from meshserve.engine.model_runner import ModelRunner
 
 
@@ -25,3 +26,22 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+class DistributedExecutor:
+    """World size > 1: the driver publishes each plan to every rank, runs its own shard,
+    and takes the tokens from the sampling rank (itself, or over the control plane)."""
+
+    def __init__(self, runner: ModelRunner, channel: DriverChannel, result_timeout: float):
+        self.runner, self.channel, self.result_timeout = runner, channel, result_timeout
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.channel.publish(plan)
+        local = self.runner.execute(plan)
+        if self.runner.groups.is_sampler:
+            return local
+        return self.channel.recv_result(self.result_timeout)
+
+    def shutdown(self) -> None:
+        self.channel.publish(Shutdown("driver finished"))
+        self.channel.close()

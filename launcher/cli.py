@@ -24,6 +24,8 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("config", nargs=None if required else "?", help="YAML config (default: the built-in SmolLM2 on CPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set parallel.tensor=2 (repeatable)")
+    # Set by `meshserve serve`/`generate` on the ranks they start: run as one rank of the launcher's world.
+    p.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+
+    p = sub.add_parser("worker", help="one rank, under torchrun / mpirun / the deepspeed launcher")
+    _add_config_args(p, required=False)
+    p.add_argument("--drain-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
 
     p = sub.add_parser("generate", help="offline batch generation through the same engine")
     _add_config_args(p, required=False)
@@ -77,58 +83,60 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_single_rank(config: Config) -> None:
-    if config.world_size != 1:
-        raise ConfigError(f"world size {config.world_size} (tensor={config.parallel.tensor}, "
-                          f"pipeline={config.parallel.pipeline}, context={config.parallel.context}): this build "
-                          f"runs one rank only; set parallel.tensor/pipeline/context to 1")
+def _run(args: argparse.Namespace, mode_factory) -> int:
+    """Validate, then: world size 1 -> this process is the rank; `--as-rank` -> this process
+    is one rank of a launcher's world; otherwise start this node's ranks."""
+    config, info, memory = load(args)
+    if args.as_rank:
+        from meshserve.launcher.env import rank_env_from_environ
+        from meshserve.launcher.rank import run_rank
+
+        return run_rank(config, info, memory, rank_env_from_environ(), mode_factory())
+    if config.world_size == 1:
+        from meshserve.launcher.env import RankEnv
+        from meshserve.launcher.rank import run_rank
+
+        return run_rank(config, info, memory, RankEnv(), mode_factory())
+    from meshserve.launcher.spawn import spawn_local_ranks
+
+    return spawn_local_ranks(config, args.argv, shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15)
+
+
+def _serve_mode(args):
+    from meshserve.launcher.serve import ServeMode
+
+    return lambda: ServeMode(args.drain_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config, info, memory = load(args)
-    _require_single_rank(config)
-    from meshserve.launcher.serve import serve_single_rank
-
     try:
-        return serve_single_rank(config, info, memory, args.drain_timeout)
+        return _run(args, _serve_mode(args))
     except OSError as e:  # e.g. the ZMQ or HTTP address is taken
         print(f"meshserve: {e}", file=sys.stderr)
         return 1
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    config, info, memory = load(args)
-    _require_single_rank(config)
-    from meshserve.comm.messages import SamplingParams
-    from meshserve.engine.bootstrap import build_single_rank_engine
-    from meshserve.engine.offline import generate
-    from meshserve.engine.validation import RequestError
-    from meshserve.launcher.env import cpu_threads
+def cmd_worker(args: argparse.Namespace) -> int:
+    args.as_rank = True
+    return cmd_serve(args)
 
-    engine = build_single_rank_engine(config, info, memory, threads=cpu_threads(config.device.threads, 1))
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from meshserve.comm.messages import SamplingParams
+    from meshserve.launcher.generate import GenerateMode
+
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
-               for p in args.prompt]
-    try:
-        results = generate(engine, prompts, params)
-    except RequestError as e:
-        print(f"meshserve: bad request: {e.message}", file=sys.stderr)
-        return 1
-    for prompt, result in zip(args.prompt, results):
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": result.text, "token_ids": result.token_ids,
-                              "finish_reason": result.finish_reason}), flush=True)
-        else:
-            print(result.text, flush=True)
-    return 0
+    return _run(args, lambda: GenerateMode(args.prompt, params, args.chat, args.json))
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "check": cmd_check}
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return COMMANDS[args.command](args)

@@ -43,6 +43,20 @@ def _narrowed(ranges: list[tuple[int, int]], dim: int, start: int, length: int) 
     return out
 
 
+class MemoryTensor:
+    """A tensor already in memory (tests, conversions from a live model)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "MemoryTensor":
+        return MemoryTensor(self._tensor.narrow(dim, start, length))
+
+    def load(self) -> torch.Tensor:
+        return self._tensor.clone()
+
+
 class SafetensorsTensor:
     def __init__(self, handle, name: str, ranges: list[tuple[int, int]] | None = None):
         self._handle, self._name = handle, name

@@ -1,0 +1,146 @@
+"""The control plane between the driver and the other ranks, over ZeroMQ.
+
+driver  --PUB  (StepPlan, Shutdown, Hello)-->  SUB   every other rank
+driver  <-PULL (StepResult, Ready)----------   PUSH  every other rank
+
+The driver binds both sockets on ephemeral ports and tells the ranks where they are with
+a tensor broadcast over the world's gloo group (torch.distributed carries tensors only).
+Start-up handshake: the driver publishes Hello until every rank has answered Ready, so
+no SUB socket can miss the first plan (PUB/SUB's slow-joiner problem). High-water marks
+are unlimited: plans are never dropped.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from meshserve.comm.messages import (ControlMessage, Hello, Ready, StepResult, control_decoder, encoder,
+                                     rank_decoder)
+
+ADDRESS_BYTES = 512
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+def broadcast_text(text: str | None, src: int = 0, group=None) -> str:
+    """Broadcasts a short string from global rank `src` as a uint8 tensor (no pickling)."""
+    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8)
+    if text is not None:
+        data = text.encode()
+        if len(data) > ADDRESS_BYTES:
+            raise ValueError(f"{len(data)} bytes exceed the {ADDRESS_BYTES}-byte broadcast buffer")
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return bytes(buf[buf != 0].tolist()).decode()
+
+
+def _bind_ephemeral(sock: zmq.Socket, host: str) -> str:
+    sock.bind(f"tcp://{host}:0")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class DriverChannel:
+    """The driver's end. `host`: the address the other ranks reach the driver at."""
+
+    def __init__(self, host: str, world_size: int):
+        self.world_size = world_size
+        self.session = uuid.uuid4().hex
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.setsockopt(zmq.LINGER, 2000)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        ip = socket.gethostbyname(host)
+        self.addresses = f"{_bind_ephemeral(self._pub, ip)} {_bind_ephemeral(self._pull, ip)}"
+        self._encoder, self._decoder = encoder(), rank_decoder()
+
+    def handshake(self, timeout: float) -> None:
+        waiting = set(range(1, self.world_size))
+        hello = self._encoder.encode(Hello(self.session))
+        deadline = time.monotonic() + timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"control-plane handshake: no Ready from ranks {sorted(waiting)} "
+                                        f"within {timeout:.0f} s")
+            self._pub.send(hello)
+            if self._pull.poll(20):
+                msg = self._decode(self._pull.recv())
+                if isinstance(msg, Ready) and msg.session == self.session:
+                    waiting.discard(msg.rank)
+
+    def publish(self, msg: ControlMessage) -> None:
+        self._pub.send(self._encoder.encode(msg))
+
+    def recv_result(self, timeout: float) -> StepResult:
+        while True:
+            if not self._pull.poll(int(timeout * 1000)):
+                raise ControlPlaneError(f"no step result from the sampling rank within {timeout:.0f} s")
+            msg = self._decode(self._pull.recv())
+            if isinstance(msg, StepResult):
+                return msg
+
+    def _decode(self, frame: bytes):
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ControlPlaneError(f"undecodable control-plane frame from a rank: {e}") from None
+
+    def close(self) -> None:
+        self._pub.close()
+        self._pull.close()
+        self._ctx.term()
+
+
+class WorkerChannel:
+    """A non-driver rank's end."""
+
+    def __init__(self, addresses: str, rank: int):
+        pub_address, pull_address = addresses.split()
+        self.rank = rank
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.connect(pub_address)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 2000)
+        self._push.connect(pull_address)
+        self._encoder, self._decoder = encoder(), control_decoder()
+
+    def handshake(self, timeout: float) -> None:
+        msg = self.recv(timeout, skip_hello=False)
+        if not isinstance(msg, Hello):
+            raise ControlPlaneError(f"rank {self.rank}: expected Hello first, got {type(msg).__name__}")
+        self._push.send(self._encoder.encode(Ready(self.rank, msg.session)))
+
+    def recv(self, timeout: float | None = None, skip_hello: bool = True) -> ControlMessage:
+        while True:
+            if timeout is not None and not self._sub.poll(int(timeout * 1000)):
+                raise ControlPlaneError(f"rank {self.rank}: nothing from the driver within {timeout:.0f} s")
+            frame = self._sub.recv()
+            try:
+                msg = self._decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise ControlPlaneError(f"rank {self.rank}: undecodable control-plane frame: {e}") from None
+            if not (skip_hello and isinstance(msg, Hello)):
+                return msg
+
+    def send_result(self, result: StepResult) -> None:
+        self._push.send(self._encoder.encode(result))
+
+    def close(self) -> None:
+        self._sub.close()
+        self._push.close()
+        self._ctx.term()

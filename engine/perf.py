@@ -1,0 +1,83 @@
+"""The machine's roofline, measured, and the model's cost per step: the figures behind
+MFU (model FLOPs/s over matmul peak) and MBU (bytes read/s over memory bandwidth)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.configs.model_info import ModelInfo
+
+
+def _best_of(fn, repeats: int) -> float:
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes/s of a large copy (each byte read once and written once, so 2 x nbytes move)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+
+    def run():
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    return 2 * nbytes / _best_of(run, repeats)
+
+
+def measure_matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of an n x n x n matmul in `dtype`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def run():
+        torch.mm(a, b)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    return 2 * n ** 3 / _best_of(run, repeats)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-token and per-step costs of a dense decoder, for one full (unsharded) model."""
+
+    info: ModelInfo
+    dtype_bytes: int
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters used as matmul weights per token: every linear plus the LM head
+        (the embedding lookup reads one row, not the matrix)."""
+        i = self.info
+        return i.num_parameters - (0 if i.tie_word_embeddings else i.vocab_size * i.hidden_size)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by one decode step."""
+        return self.matmul_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        i = self.info
+        return 2 * i.num_hidden_layers * i.num_key_value_heads * i.head_dim * self.dtype_bytes
+
+    def flops(self, num_new_tokens: int, context_len: int) -> float:
+        """FLOPs of one sequence computing `num_new_tokens` tokens ending at `context_len`
+        (2 per multiply-add; attention scores and values over the causal context)."""
+        i = self.info
+        dense = 2 * self.matmul_params * num_new_tokens
+        # sum over new tokens of the context each attends to, times QK^T and PV (2 x 2 flops per head dim)
+        start = context_len - num_new_tokens
+        attended = num_new_tokens * (start + context_len + 1) / 2
+        attention = 4 * i.num_hidden_layers * i.num_attention_heads * i.head_dim * attended
+        return dense + attention

@@ -1,0 +1,35 @@
+"""The driver running a fixed batch of prompts offline (`meshserve generate`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from meshserve.comm.messages import SamplingParams
+from meshserve.engine.engine import Engine
+from meshserve.engine.offline import generate
+from meshserve.engine.validation import RequestError
+
+
+class GenerateMode:
+    def __init__(self, prompts: list[str], params: SamplingParams, chat: bool, as_json: bool):
+        self.prompts, self.params, self.chat, self.as_json = prompts, params, chat, as_json
+
+    def prepare(self, config, tokenizer, info, memory) -> None:
+        pass
+
+    def run(self, engine: Engine) -> int:
+        tok = engine.tokenizer
+        inputs = [tok.apply_chat_template([{"role": "user", "content": p}]) if self.chat else p for p in self.prompts]
+        try:
+            results = generate(engine, inputs, self.params)
+        except RequestError as e:
+            print(f"meshserve: bad request: {e.message}", file=sys.stderr)
+            return 1
+        for prompt, result in zip(self.prompts, results):
+            if self.as_json:
+                print(json.dumps({"prompt": prompt, "text": result.text, "token_ids": result.token_ids,
+                                  "finish_reason": result.finish_reason}), flush=True)
+            else:
+                print(result.text, flush=True)
+        return 0

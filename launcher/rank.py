@@ -1,0 +1,95 @@
+"""One rank, whatever started it (in-process for world size 1, torch elastic, torchrun,
+mpirun, deepspeed): join the world, load this rank's shard, then either drive (rank 0:
+scheduler, frontend, step loop) or follow the driver's plans."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Protocol
+
+import torch
+
+from meshserve.comm.control import DriverChannel, WorkerChannel, broadcast_text
+from meshserve.configs.memory import MemoryPlan
+from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.schema import Config
+from meshserve.engine.engine import Engine
+from meshserve.engine.executor import DistributedExecutor, LocalExecutor
+from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.tokenizer import Tokenizer
+from meshserve.engine.worker import worker_loop
+from meshserve.launcher.env import RankEnv, cpu_threads
+from meshserve.parallel.process_groups import destroy_process_groups, init_process_groups
+from meshserve.parallel.topology import Topology
+
+log = logging.getLogger("meshserve")
+
+HANDSHAKE_TIMEOUT_S = 120.0
+RESULT_TIMEOUT_S = 600.0
+
+
+class DriverMode(Protocol):
+    """What the driver does with the engine: serve clients, or run a batch offline."""
+
+    def prepare(self, config: Config, tokenizer: Tokenizer, info: ModelInfo, memory: MemoryPlan) -> None:
+        """Before the model loads (e.g. bind sockets, so a taken address fails fast)."""
+
+    def run(self, engine: Engine) -> int: ...
+
+
+def _device(config: Config, env: RankEnv) -> str:
+    return f"cuda:{env.local_rank}" if config.device.type == "cuda" else "cpu"
+
+
+def run_rank(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, mode: DriverMode) -> int:
+    if env.world_size != config.world_size:
+        raise RuntimeError(
+            f"the launcher started {env.world_size} ranks but the config needs tensor x pipeline x context = "
+            f"{config.parallel.tensor} x {config.parallel.pipeline} x {config.parallel.context} = {config.world_size}")
+    if config.device.type == "cpu":
+        torch.set_num_threads(cpu_threads(config.device.threads, env.local_world_size))
+    topology = Topology(config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
+    groups = init_process_groups(topology, env.global_rank, env.master_addr, env.master_port,
+                                 config.device.type, env.local_rank)
+    try:
+        if groups.is_driver:
+            return _drive(config, info, memory, env, mode, groups)
+        _follow(config, info, memory, env, groups)
+        return 0
+    finally:
+        destroy_process_groups()
+
+
+def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
+    tokenizer = Tokenizer(info, config.model.tokenizer)
+    mode.prepare(config, tokenizer, info, memory)
+    channel = None
+    if groups.world_size > 1:
+        channel = DriverChannel(env.master_addr, groups.world_size)
+        broadcast_text(channel.addresses, src=0)
+    runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True)
+    if channel is None:
+        executor = LocalExecutor(runner)
+    else:
+        channel.handshake(HANDSHAKE_TIMEOUT_S)
+        executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S)
+    engine = Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size)
+    try:
+        return mode.run(engine)
+    finally:
+        engine.shutdown()
+
+
+def _follow(config, info, memory, env, groups) -> None:
+    # NOTE: a follower ignores SIGTERM/SIGINT: the driver drains in-flight requests and then
+    # publishes Shutdown; the launcher kills followers itself if the driver is gone.
+    signal.signal(signal.SIGTERM, lambda *_: log.info("rank %d: signal received; waiting for the driver", env.global_rank))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    channel = WorkerChannel(broadcast_text(None, src=0), env.global_rank)
+    runner = ModelRunner(info, memory, groups, _device(config, env))
+    channel.handshake(HANDSHAKE_TIMEOUT_S)
+    try:
+        worker_loop(runner, channel)
+    finally:
+        channel.close()

@@ -1,0 +1,41 @@
+"""torch.distributed initialisation and the per-axis process groups, built once."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from meshserve.comm.groups import AxisGroup
+from meshserve.parallel.topology import Groups, Topology
+
+
+def init_process_groups(topology: Topology, global_rank: int, master_addr: str, master_port: int,
+                        device_type: str = "cpu", local_rank: int = 0, timeout_s: float = 300.0) -> Groups:
+    """Join the world and build every tp / cp / pp group (every rank creates every group,
+    in the same order, as torch.distributed requires). Device groups use NCCL on CUDA
+    (device = local rank) and gloo on CPU; each axis also gets a gloo group for host tensors."""
+    if topology.world_size == 1:
+        return Groups.single()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    kwargs = {}
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=global_rank,
+                            world_size=topology.world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    axes = {}
+    for axis in ("tp", "cp", "pp"):
+        mine = topology.axis_ranks(global_rank, axis)
+        for ranks in topology.all_axis_groups(axis):
+            device_group = dist.new_group(list(ranks), backend=backend)
+            cpu_group = device_group if backend == "gloo" else dist.new_group(list(ranks), backend="gloo")
+            if ranks == mine:
+                axes[axis] = AxisGroup(axis, len(ranks), ranks.index(global_rank), ranks, device_group, cpu_group)
+    return Groups(global_rank, topology.world_size, axes["tp"], axes["pp"], axes["cp"])
+
+
+def destroy_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

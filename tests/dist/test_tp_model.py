@@ -1,0 +1,52 @@
+"""The whole model at tp = 2, 3, 4 against tp = 1: prefill logits on gloo ranks, and greedy
+tokens through the real launcher (`meshserve generate` starting its ranks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshserve.parallel.topology import Topology
+from support.dist import run_ranks
+from support.reference import meshserve_logits
+
+PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7]]
+
+
+def tp_logits(groups, path, chunk):
+    return meshserve_logits(path, PROMPTS, tp=groups.tp, chunk=chunk, block_size=8)
+
+
+@pytest.mark.parametrize("kind,tp", [("llama", 2), ("qwen2", 2), ("llama", 4), ("llama-6h", 3)])
+def test_tp_logits_match_single_rank(tiny_checkpoints, kind, tp):
+    path = tiny_checkpoints[kind]
+    want = meshserve_logits(path, PROMPTS, chunk=16, block_size=8)
+    results = run_ranks(tp_logits, Topology(tp_size=tp), path, 16)
+    assert all(r is None for r in results[1:])
+    for got, ref in zip(results[0], want):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def generate_cli(path, tp, prompts, max_tokens=12):
+    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "generate", "--json", "--max-tokens", str(max_tokens),
+           "--set", f"model.path={path}", "--set", f"parallel.tensor={tp}", "--set", "model.max_model_len=256",
+           "--set", "cache.memory=16MiB"]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(prompts)
+    return [line["token_ids"] for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,tp", [("llama", 2), ("llama-6h", 3)])
+def test_tp_greedy_tokens_match_single_rank(tiny_checkpoints, kind, tp):
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
+    assert generate_cli(tiny_checkpoints[kind], tp, prompts) == generate_cli(tiny_checkpoints[kind], 1, prompts)
