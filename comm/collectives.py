@@ -15,7 +15,12 @@ from meshserve.comm.groups import AxisGroup
 def reduce_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """All-reduces (sums) `x` over `group`, in place; returns it."""
     if group.size > 1:
-        dist.all_reduce(x, group=group.device_group)
+        started = group.timer.start()
+        if group.shm is not None and group.shm.fits(x):
+            group.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=group.device_group)
+        group.timer.stop(started)
     return x
 
 
@@ -26,10 +31,16 @@ def gather_from_tp(x: torch.Tensor, group: AxisGroup, dst: int = 0) -> torch.Ten
     if group.size == 1:
         return x
     x = x.contiguous()
-    is_dst = group.rank == dst
-    parts = [torch.empty_like(x) for _ in range(group.size)] if is_dst else None
-    dist.gather(x, parts, dst=group.ranks[dst], group=group.device_group)
-    return torch.cat(parts, dim=-1) if is_dst else None
+    started = group.timer.start()
+    if group.shm is not None and group.shm.fits(x):
+        out = group.shm.gather(x, dst)
+    else:
+        is_dst = group.rank == dst
+        parts = [torch.empty_like(x) for _ in range(group.size)] if is_dst else None
+        dist.gather(x, parts, dst=group.ranks[dst], group=group.device_group)
+        out = torch.cat(parts, dim=-1) if is_dst else None
+    group.timer.stop(started)
+    return out
 
 
 def all_gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -38,5 +49,7 @@ def all_gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size)]
+    started = group.timer.start()
     dist.all_gather(parts, x, group=group.device_group)
+    group.timer.stop(started)
     return torch.cat(parts, dim=-1)

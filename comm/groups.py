@@ -3,8 +3,24 @@ and passed into every layer and collective that needs it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class CommTimer:
+    """Wall time spent in this group's collectives (for the per-step time split)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, started: float) -> None:
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
 
 
 @dataclass(frozen=True)
@@ -21,6 +37,10 @@ class AxisGroup:
     """torch.distributed group for tensors on the compute device (NCCL on CUDA, gloo on CPU)."""
     cpu_group: Any = None
     """gloo group for host tensors."""
+    timer: CommTimer = field(default_factory=CommTimer, compare=False)
+    shm: Any = None
+    """A ShmCommunicator when every member is a CPU rank of this node: collectives that fit
+    its slots go through shared memory instead of device_group."""
 
     @classmethod
     def single(cls, name: str, global_rank: int = 0) -> "AxisGroup":

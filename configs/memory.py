@@ -64,6 +64,11 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     block = config.cache.block_size
     num_blocks = config.cache.num_blocks or int(config.cache.memory) // (kv_per_token * block)
     max_len = resolved_max_model_len(config, info)
+    if num_blocks * block < max_len and config.cache.num_blocks:
+        raise ConfigError(
+            f"{source}: cache.num_blocks={num_blocks} x cache.block_size={block} = {num_blocks * block} tokens per rank, "
+            f"fewer than model.max_model_len={max_len}; set cache.num_blocks >= {-(-max_len // block)} "
+            f"or lower model.max_model_len")
     if num_blocks * block < max_len:
         raise ConfigError(
             f"{source}: the KV cache holds {num_blocks} blocks x {block} tokens = {num_blocks * block} tokens per rank, "

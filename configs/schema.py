@@ -15,7 +15,7 @@ BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelConfig(Section):

@@ -25,7 +25,8 @@ def valid_tensor_sizes(info: ModelInfo) -> list[int]:
     """tp must divide the query heads; KV heads are sharded (tp divides them) or replicated
     (tp a multiple of them)."""
     kv = info.num_key_value_heads
-    return [t for t in divisors(info.num_attention_heads) if (kv % t == 0) or (t % kv == 0)]
+    return [t for t in divisors(info.num_attention_heads)
+            if ((kv % t == 0) or (t % kv == 0)) and info.intermediate_size % t == 0]
 
 
 def resolved_max_model_len(config: Config, info: ModelInfo) -> int:

@@ -30,6 +30,12 @@ class EngineStats:
     generation_tokens: int = 0
     finished: int = 0
     step_seconds: float = 0.0
+    schedule_seconds: float = 0.0
+    """Scheduling and building the plan."""
+    execute_seconds: float = 0.0
+    """The executor: this rank's shard of the model, plus the control plane."""
+    postprocess_seconds: float = 0.0
+    """Appending tokens, stop checks, detokenization."""
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -80,10 +86,14 @@ class Engine:
     def step(self) -> list[tuple[Hashable, Delta]]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        plan = self.plans.build(batch)
-        if not len(batch):
+        for seq in batch.preempted:
+            self.plans.forget(seq)
+        if not len(batch):  # no plan: the dropped ids wait for the next one
             return []
+        plan = self.plans.build(batch)
+        scheduled = time.perf_counter()
         result = self.executor.execute(plan)
+        executed = time.perf_counter()
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
         out: list[tuple[Hashable, Delta]] = []
@@ -96,8 +106,12 @@ class Engine:
                 self._finish(state)
             if delta is not None:
                 out.append((seq.key, delta))
+        end = time.perf_counter()
         self.stats.steps += 1
-        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.step_seconds += end - start
+        self.stats.schedule_seconds += scheduled - start
+        self.stats.execute_seconds += executed - scheduled
+        self.stats.postprocess_seconds += end - executed
         return out
 
     def _finish(self, state: RequestState) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from meshserve.comm.control import DriverChannel
@@ -34,13 +35,20 @@ class DistributedExecutor:
 
     def __init__(self, runner: ModelRunner, channel: DriverChannel, result_timeout: float):
         self.runner, self.channel, self.result_timeout = runner, channel, result_timeout
+        self.control_seconds = 0.0
+        """Publishing plans and waiting for the sampling rank's tokens after our own shard ran."""
 
     def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
         self.channel.publish(plan)
+        self.control_seconds += time.perf_counter() - start
         local = self.runner.execute(plan)
         if self.runner.groups.is_sampler:
             return local
-        return self.channel.recv_result(self.result_timeout)
+        start = time.perf_counter()
+        result = self.channel.recv_result(self.result_timeout)
+        self.control_seconds += time.perf_counter() - start
+        return result
 
     def shutdown(self) -> None:
         self.channel.publish(Shutdown("driver finished"))

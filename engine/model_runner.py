@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from meshserve.comm.messages import SamplingParams, StepPlan, StepResult
@@ -31,6 +33,16 @@ class RankSeq:
     block_ids: list[int]
     num_computed: int
     params: SamplingParams
+
+
+@dataclass
+class RunnerStats:
+    prepare_seconds: float = 0.0
+    """Building input tensors and attention metadata on the host."""
+    forward_seconds: float = 0.0
+    """The model's forward (this rank's shard, its collectives included)."""
+    sample_seconds: float = 0.0
+    """Logits (and their gather) and sampling."""
 
 
 @dataclass
@@ -62,6 +74,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in model.layers]
         self.sampler = Sampler(info.eos_token_ids, sampler_seed) if groups.is_sampler else None
         self.seqs: dict[int, RankSeq] = {}
+        self.stats = RunnerStats()
 
     def apply_plan(self, plan: StepPlan) -> list[tuple[int, RankSeq, int]]:
         """Update the mirror; returns the batch as (seq_id, seq, num_new) in batch order."""
@@ -101,19 +114,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Returns the sampled tokens on the sampling rank, None elsewhere."""
+        start = time.perf_counter()
         batch = self.apply_plan(plan)
         if not batch:
             return StepResult(plan.step_id, [], []) if self.sampler else None
         inputs = self.prepare(batch)
         meta = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
                                         self.memory.block_size, self.device)
+        prepared = time.perf_counter()
         hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         for _, seq, n in batch:
             seq.num_computed += n
+        forwarded = time.perf_counter()
+        self.stats.prepare_seconds += prepared - start
+        self.stats.forward_seconds += forwarded - prepared
         if not inputs.sample_rows or self.model.lm_head is None:
             return StepResult(plan.step_id, [], []) if self.sampler else None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        if self.sampler is None:
-            return None
-        tokens, logprobs = self.sampler(logits, inputs.sampling)
-        return StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs)
+        result = None
+        if self.sampler is not None:
+            tokens, logprobs = self.sampler(logits, inputs.sampling)
+            result = StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs)
+        self.stats.sample_seconds += time.perf_counter() - forwarded
+        return result

@@ -23,8 +23,7 @@ class PlanBuilder:
         seq.sent_tokens = seq.sent_blocks = 0
 
     def build(self, batch: ScheduledBatch) -> StepPlan:
-        for seq in batch.preempted:
-            self.forget(seq)
+        """Call `forget` for the batch's preempted sequences first."""
         running: list[SeqDelta] = []
         new: list[NewSeq] = []
         for seq, n in zip(batch.seqs, batch.num_new):

@@ -46,7 +46,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, backend, prompt_ids: list[int], skip_special_tokens: bool):
         self._backend = backend
-        self._stream = DecodeStream(ids=prompt_ids[-self.CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # NOTE: stepped through, not passed as `ids=`: a prompt ending inside a multi-byte
+        # character would otherwise come out again as the first chunk of the output.
+        for token_id in prompt_ids[-self.CONTEXT_TOKENS:]:
+            self._stream.step(backend, token_id)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""

@@ -99,7 +99,8 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
         return run_rank(config, info, memory, RankEnv(), mode_factory())
     from meshserve.launcher.spawn import spawn_local_ranks
 
-    return spawn_local_ranks(config, args.argv, shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15)
+    return spawn_local_ranks(config, ["-m", "meshserve.launcher.cli", *args.argv, "--as-rank"],
+                             shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15)
 
 
 def _serve_mode(args):

@@ -38,6 +38,14 @@ class DriverMode(Protocol):
     def run(self, engine: Engine) -> int: ...
 
 
+def _shm_slot_bytes(config: Config, info: ModelInfo) -> int:
+    """Largest TP collective of a step, in float32: the activations of a full token budget,
+    or the logits slices of a full batch."""
+    hidden = config.scheduler.max_batched_tokens * info.hidden_size
+    logits = config.scheduler.max_num_seqs * -(-info.vocab_size // config.parallel.tensor)
+    return 4 * max(hidden, logits)
+
+
 def _device(config: Config, env: RankEnv) -> str:
     return f"cuda:{env.local_rank}" if config.device.type == "cuda" else "cpu"
 
@@ -51,7 +59,7 @@ def run_rank(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, 
         torch.set_num_threads(cpu_threads(config.device.threads, env.local_world_size))
     topology = Topology(config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
     groups = init_process_groups(topology, env.global_rank, env.master_addr, env.master_port,
-                                 config.device.type, env.local_rank)
+                                 config.device.type, env.local_rank, shm_slot_bytes=_shm_slot_bytes(config, info))
     try:
         if groups.is_driver:
             return _drive(config, info, memory, env, mode, groups)

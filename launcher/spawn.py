@@ -1,6 +1,6 @@
 """Start this node's ranks with torch's elastic agent (the machinery under torchrun):
-each rank re-runs the same meshserve command with `--as-rank`, reading its place in the
-world from the launcher's variables. A rank that dies takes the others down and makes
+each rank re-runs the same command with `--as-rank`, reading its place in the world
+from the launcher's variables. A rank that dies takes the others down and makes
 the command exit non-zero, naming the rank."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local_ranks(config: Config, argv: list[str], shutdown_timeout: float) -> int:
-    """Run `meshserve <argv> --as-rank` on config.world_size local ranks; returns the exit code."""
+def spawn_local_ranks(config: Config, python_args: list[str], shutdown_timeout: float) -> int:
+    """Run `python <python_args>` on config.world_size local ranks (each reads its rank from
+    the launcher's variables); returns the exit code."""
     nproc = config.world_size
     if config.device.type == "cpu":
         # Every rank inherits this; intra-op threads per rank = cores / local ranks unless set.
@@ -38,9 +39,8 @@ def spawn_local_ranks(config: Config, argv: list[str], shutdown_timeout: float) 
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
         monitor_interval=0.5, shutdown_timeout=int(shutdown_timeout),
     )
-    cmd = ["-m", "meshserve.launcher.cli", *argv, "--as-rank"]
     try:
-        elastic_launch(launch, sys.executable)(*cmd)
+        elastic_launch(launch, sys.executable)(*python_args)
     except ChildFailedError as e:
         failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
         print(f"meshserve: a rank died: {failures}", file=sys.stderr)

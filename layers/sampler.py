@@ -86,6 +86,8 @@ class Sampler:
             probs = sorted_logits.softmax(dim=-1)
             # drop a token when the tokens ranked above it already reach top_p
             drop = (probs.cumsum(dim=-1) - probs) > torch.tensor(top_p, device=logits.device).unsqueeze(1)
+            # rows without top-p keep every token (a float32 cumsum can pass 1.0 in the tail)
+            drop &= torch.tensor([p < 1.0 for p in top_p], device=logits.device).unsqueeze(1)
             scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import torch
 import torch.distributed as dist
 
+from meshserve.comm.control import broadcast_text
 from meshserve.comm.groups import AxisGroup
+from meshserve.comm.shm import ShmCommunicator, new_segment_name
 from meshserve.parallel.topology import Groups, Topology
 
 
 def init_process_groups(topology: Topology, global_rank: int, master_addr: str, master_port: int,
-                        device_type: str = "cpu", local_rank: int = 0, timeout_s: float = 300.0) -> Groups:
+                        device_type: str = "cpu", local_rank: int = 0, timeout_s: float = 300.0,
+                        shm_slot_bytes: int = 0) -> Groups:
     """Join the world and build every tp / cp / pp group (every rank creates every group,
     in the same order, as torch.distributed requires). Device groups use NCCL on CUDA
-    (device = local rank) and gloo on CPU; each axis also gets a gloo group for host tensors."""
+    (device = local rank) and gloo on CPU; each axis also gets a gloo group for host tensors.
+    On CPU, with `shm_slot_bytes`, the TP group (always inside one node) also gets a
+    shared-memory communicator for its all-reduces and gathers."""
     if topology.world_size == 1:
         return Groups.single()
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -33,7 +39,17 @@ def init_process_groups(topology: Topology, global_rank: int, master_addr: str, 
             cpu_group = device_group if backend == "gloo" else dist.new_group(list(ranks), backend="gloo")
             if ranks == mine:
                 axes[axis] = AxisGroup(axis, len(ranks), ranks.index(global_rank), ranks, device_group, cpu_group)
+    if device_type == "cpu" and shm_slot_bytes and axes["tp"].size > 1:
+        axes["tp"] = _with_shm(axes["tp"], shm_slot_bytes, timeout_s)
     return Groups(global_rank, topology.world_size, axes["tp"], axes["pp"], axes["cp"])
+
+
+def _with_shm(group: AxisGroup, slot_bytes: int, timeout_s: float) -> AxisGroup:
+    name = broadcast_text(new_segment_name() if group.rank == 0 else None, src=group.ranks[0], group=group.cpu_group)
+    shm = ShmCommunicator(group, slot_bytes, timeout_s, name)
+    dist.barrier(group=group.cpu_group)  # every member has mapped it
+    shm.attached(name)
+    return dataclasses.replace(group, shm=shm)
 
 
 def destroy_process_groups() -> None:

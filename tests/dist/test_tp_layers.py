@@ -112,24 +112,30 @@ def count_allreduces_per_layer(groups, num_heads, num_kv_heads):
         calls.append(1)
         return original(*a, **kw)
 
-    dist.all_reduce = counting
+    dist.all_reduce = counting  # the gloo path
+    before = groups.tp.timer.calls  # every TP collective, shared-memory path included
     try:
         layer(torch.tensor([0, 1, 2, 4]), torch.randn(4, HIDDEN), None, cache, meta)
     finally:
         dist.all_reduce = original
-    return len(calls)
+    collectives = groups.tp.timer.calls - before
+    assert len(calls) == (0 if groups.tp.shm else collectives)
+    return collectives
 
 
 def run_all(groups, num_heads, num_kv_heads, vocab):
     return check_layers(groups, num_heads, num_kv_heads, vocab), count_allreduces_per_layer(groups, num_heads, num_kv_heads)
 
 
-@pytest.mark.parametrize("tp,num_heads,num_kv_heads", [
-    (2, 4, 2),   # KV heads sharded
-    (4, 4, 2),   # KV heads replicated: two ranks share each KV head
-    (3, 6, 3),   # odd tp
+@pytest.mark.parametrize("tp,num_heads,num_kv_heads,shm", [
+    (2, 4, 2, True),    # KV heads sharded
+    (4, 4, 2, True),    # KV heads replicated: two ranks share each KV head
+    (3, 6, 3, True),    # odd tp
+    (2, 4, 2, False),   # collectives over gloo instead of shared memory
 ])
-def test_parallel_layers_match_dense(tp, num_heads, num_kv_heads):
-    results = run_ranks(run_all, Topology(tp_size=tp), num_heads, num_kv_heads, 1001)  # 1001: odd vocab, padded
+def test_parallel_layers_match_dense(tp, num_heads, num_kv_heads, shm):
+    # 1001: an odd vocabulary, padded to a multiple of tp
+    results = run_ranks(run_all, Topology(tp_size=tp), num_heads, num_kv_heads, 1001,
+                        shm_slot_bytes=(1 << 20) if shm else 0)
     assert all(ok for ok, _ in results)
     assert [n for _, n in results] == [2] * tp

@@ -18,13 +18,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, topology, port, args, queue):
+def _entry(fn, rank, topology, port, args, queue, shm_slot_bytes):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
     try:
-        groups = init_process_groups(topology, rank, "127.0.0.1", port, timeout_s=120)
+        groups = init_process_groups(topology, rank, "127.0.0.1", port, timeout_s=120, shm_slot_bytes=shm_slot_bytes)
         queue.put((rank, "ok", fn(groups, *args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -32,13 +32,15 @@ def _entry(fn, rank, topology, port, args, queue):
         destroy_process_groups()
 
 
-def run_ranks(fn, topology: Topology, *args, timeout: float = 300.0) -> list:
+def run_ranks(fn, topology: Topology, *args, timeout: float = 300.0, shm_slot_bytes: int = 4 << 20) -> list:
     """fn(groups, *args) on every rank of `topology`; returns the results in rank order.
-    fn must be importable (a module-level function) and return picklable values."""
+    fn must be importable (a module-level function) and return picklable values.
+    `shm_slot_bytes=0` keeps every TP collective on gloo."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, topology, port, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, topology, port, args, queue, shm_slot_bytes),
+                         daemon=True)
              for r in range(topology.world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,114 @@
+"""All-reduce and gather through shared memory, for the CPU ranks of one node.
+
+gloo moves every all-reduce through loopback TCP and its own threads: ~1-2 ms per call
+on a small CPU, 60 calls per decode step for a 30-layer model. Ranks on one node can
+instead write their tensor to a shared segment, wait for the others, and read every
+slot: one barrier per call, a few microseconds when the ranks have a core each.
+
+Layout of the segment: two buffer sets (double buffering: a rank may start call k+1 while
+another still reads call k's set; it cannot reach call k+2 before everyone posted k+1,
+which they do only after reading k), each with one slot per rank, then one int64 flag
+per rank holding the number of the last call it posted.
+
+NOTE: ordering relies on x86's total store order (data written before the flag is
+visible before it). Every rank sums the slots in the same order, so every rank gets the
+same bits.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from meshserve.comm.groups import AxisGroup
+
+SPINS_BEFORE_YIELD = 64
+
+
+class ShmCommunicator:
+    def __init__(self, group: AxisGroup, slot_bytes: int, timeout_s: float, name: str):
+        """`name`: the segment's file under /dev/shm, the same on every member (made by member 0)."""
+        self.size, self.rank = group.size, group.rank
+        self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        self._calls = 0
+        data_bytes = 2 * self.size * slot_bytes
+        total = data_bytes + 8 * self.size
+        path = Path("/dev/shm") / name
+        if self.rank == 0:
+            with open(path, "wb") as f:
+                f.truncate(total)
+        self._wait_for(path)
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), total)
+        buf = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._slots = buf[:data_bytes].view(2, self.size, slot_bytes)
+        self._flags = buf[data_bytes:].view(torch.int64)
+        self._flags_np = self._flags.numpy()
+
+    def attached(self, path_name: str) -> None:
+        """Once every member has mapped the segment: remove its name, so nothing leaks
+        even if a rank is killed (the memory lives until the last mapping goes)."""
+        if self.rank == 0:
+            (Path("/dev/shm") / path_name).unlink(missing_ok=True)
+
+    @staticmethod
+    def _wait_for(path: Path, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not (path.exists() and path.stat().st_size > 0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shared-memory segment {path} did not appear within {timeout:.0f} s")
+            time.sleep(0.001)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.numel() * x.element_size() <= self.slot_bytes and x.device.type == "cpu"
+
+    def _post(self, x: torch.Tensor) -> torch.Tensor:
+        """Write x to this rank's slot of the current set and wait until every rank has
+        posted the same call; returns the set's slots viewed as x's dtype."""
+        self._calls += 1
+        call = self._calls
+        nbytes = x.numel() * x.element_size()
+        slots = self._slots[call % 2, :, :nbytes]
+        slots[self.rank].view(x.dtype).view(x.shape).copy_(x)
+        self._flags_np[self.rank] = call
+        flags = self._flags_np
+        spins = 0
+        deadline = None
+        while flags.min() < call:
+            spins += 1
+            if spins % SPINS_BEFORE_YIELD == 0:
+                os.sched_yield()
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    late = [r for r in range(self.size) if flags[r] < call]
+                    raise TimeoutError(f"shared-memory collective #{call}: ranks {late} of the group did not "
+                                       f"arrive within {self.timeout_s:.0f} s")
+        return slots.view(self.size, -1).view(x.dtype).view(self.size, *x.shape)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the group, in place."""
+        parts = self._post(x)
+        torch.sum(parts, dim=0, out=x)
+        return x
+
+    def gather(self, x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+        """Every member's x, concatenated along the last dim, on member `dst`."""
+        parts = self._post(x)
+        if self.rank != dst:
+            return None
+        return torch.cat(list(parts.unbind(0)), dim=-1)
+
+    def close(self) -> None:
+        self._slots = self._flags = self._flags_np = None
+        self._map.close()
+
+
+def new_segment_name() -> str:
+    return f"meshserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,432 @@
+"""Property tests of the scheduler, block manager and step plans, in plain Python.
+
+A simulated engine loop (random arrivals, prompt and output lengths, aborts, few KV
+blocks so that preemption happens) checks the invariants of DESIGN.md after every step,
+and a fake rank mirror applies each StepPlan, received through msgpack, the way
+`ModelRunner.apply_plan` does, and must hold the driver's token ids and block tables.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+ENGINE_MODULES = ("meshserve.engine.scheduler", "meshserve.engine.block_manager", "meshserve.engine.plan",
+                  "meshserve.engine.sequence")
+
+
+def _torch_imported_by_engine_modules() -> str:
+    code = ("import sys; import " + ", ".join(ENGINE_MODULES) +
+            "; print('torch' in sys.modules, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if out.returncode:
+        raise AssertionError(f"importing {ENGINE_MODULES} failed:\n{out.stderr}")
+    return out.stdout.strip()
+
+
+# The scheduler is plain Python (DESIGN.md): importing it must not pull in torch.
+_TORCH_CHECK = _torch_imported_by_engine_modules()
+assert _TORCH_CHECK.startswith("False"), f"the scheduler modules import torch: {_TORCH_CHECK}"
+
+import msgspec  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from meshserve.comm.messages import SamplingParams, StepPlan, control_decoder, encoder  # noqa: E402
+from meshserve.engine.block_manager import BlockManager  # noqa: E402
+from meshserve.engine.plan import PlanBuilder  # noqa: E402
+from meshserve.engine.scheduler import ScheduledBatch, Scheduler  # noqa: E402
+from meshserve.engine.sequence import Sequence, SeqStatus  # noqa: E402
+
+
+def test_scheduler_modules_import_no_torch():
+    assert _TORCH_CHECK.startswith("False"), _TORCH_CHECK
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fake_token(seq_id: int, position: int) -> int:
+    """The token 'sampled' for `seq_id` at `position`: deterministic, so a recomputed
+    sequence can be checked against what it must hold."""
+    return (seq_id * 7919 + position * 104729) % 49152
+
+
+# ---------------------------------------------------------------- the rank mirror
+
+
+@dataclass
+class MirrorSeq:
+    token_ids: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    num_computed: int
+    params: SamplingParams
+
+
+@dataclass
+class RankMirror:
+    """`ModelRunner.apply_plan` + the `num_computed` bookkeeping of `execute`, without torch."""
+
+    seqs: dict[int, MirrorSeq] = field(default_factory=dict)
+    decoder: msgspec.msgpack.Decoder = field(default_factory=control_decoder)
+
+    def receive(self, wire: bytes) -> list[tuple[int, MirrorSeq, int]]:
+        plan = self.decoder.decode(wire)
+        assert isinstance(plan, StepPlan)
+        for seq_id in plan.dropped:
+            self.seqs.pop(seq_id, None)
+        batch = []
+        for d in plan.running:
+            seq = self.seqs[d.seq_id]
+            seq.token_ids.extend(d.new_token_ids)
+            seq.block_ids.extend(d.new_block_ids)
+            batch.append((d.seq_id, seq, d.num_new))
+        for n in plan.new:
+            seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
+            self.seqs[n.seq_id] = seq
+            batch.append((n.seq_id, seq, n.num_new))
+        return batch
+
+    @staticmethod
+    def sample_ids(batch: list[tuple[int, MirrorSeq, int]]) -> list[int]:
+        """Sequences whose last known token gets computed this step (ModelRunner.prepare)."""
+        return [sid for sid, seq, n in batch if seq.num_computed + n == len(seq.token_ids)]
+
+    @staticmethod
+    def executed(batch: list[tuple[int, MirrorSeq, int]]) -> None:
+        for _, seq, n in batch:
+            seq.num_computed += n
+
+
+# ---------------------------------------------------------------- the simulation
+
+
+@dataclass(frozen=True)
+class Req:
+    arrival: int
+    prompt_len: int
+    max_tokens: int
+    abort_after: int | None
+    """Abort this many steps after arrival (None: never)."""
+    abort_mid_step: bool
+    """Abort between schedule() and update(), as if the abort raced the running step."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_batched_tokens: int
+    reqs: tuple[Req, ...]
+
+
+@st.composite
+def scenarios(draw, allow_aborts: bool = True) -> Scenario:
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(1, 12))
+    capacity = block_size * num_blocks
+    # The engine refuses prompt + max_tokens > max_model_len <= capacity; the last sampled
+    # token is never computed, so capacity + 1 is the true limit. Allow both edges.
+    limit = capacity + draw(st.sampled_from([0, 1]))
+    n = draw(st.integers(1, 10))
+    reqs = []
+    for _ in range(n):
+        total = draw(st.integers(2, max(2, limit)))
+        prompt_len = draw(st.integers(1, total - 1))
+        abort_after = draw(st.none() | st.integers(0, 12)) if allow_aborts else None
+        reqs.append(Req(draw(st.integers(0, 8)), prompt_len, total - prompt_len, abort_after,
+                        draw(st.booleans())))
+    return Scenario(block_size, num_blocks, draw(st.integers(1, 5)), draw(st.integers(1, 24)), tuple(reqs))
+
+
+@dataclass
+class Outcome:
+    finished: dict[int, Sequence]
+    aborted: dict[int, Sequence]
+    steps: int
+    preemptions: int
+    max_running: int
+
+
+def check_blocks(bm: BlockManager, live: list[Sequence], finished: list[Sequence]) -> None:
+    """Blocks are conserved: each one is free or in exactly one block table."""
+    held = [b for s in live for b in s.block_ids]
+    free = list(bm._free)
+    assert len(held) == len(set(held)), "a block is in two block tables (or twice in one)"
+    assert len(free) == len(set(free)), "a block is twice in the free list"
+    assert not set(held) & set(free), "a block is both free and in a block table"
+    assert bm.num_free + len(held) == bm.num_blocks
+    assert set(held) | set(free) == set(range(bm.num_blocks))
+    for s in finished:
+        assert s.block_ids == [], f"finished seq {s.seq_id} still holds blocks"
+
+
+def simulate(sc: Scenario) -> Outcome:
+    bm = BlockManager(sc.num_blocks, sc.block_size)
+    sched = Scheduler(bm, sc.max_num_seqs, sc.max_batched_tokens)
+    plans = PlanBuilder()
+    mirror = RankMirror()
+    enc = encoder()
+    order = sorted(range(len(sc.reqs)), key=lambda i: sc.reqs[i].arrival)  # stable: ties by index
+    pending = list(order)
+    seqs: dict[int, Sequence] = {}
+    arrival_rank: dict[int, int] = {}  # seq_id -> position in arrival order
+    finished: dict[int, Sequence] = {}
+    aborted: dict[int, Sequence] = {}
+    max_running = 0
+    # Progress bound: the head of `running` is never preempted and computes >= 1 token per
+    # step, so each request needs at most prompt + max_tokens steps at the head.
+    bound = max(r.arrival for r in sc.reqs) + sum(r.prompt_len + r.max_tokens for r in sc.reqs) + len(sc.reqs) + 5
+    step = 0
+
+    def expected_tokens(seq: Sequence, n_out: int) -> list[int]:
+        return seq.token_ids[:seq.prompt_len] + [fake_token(seq.seq_id, seq.prompt_len + j) for j in range(n_out)]
+
+    def end(seq: Sequence, into: dict[int, Sequence]) -> None:
+        sched.finish(seq)
+        plans.forget(seq)
+        assert seq.status is SeqStatus.FINISHED and seq.block_ids == []
+        into[seq.seq_id] = seq
+
+    def live() -> list[Sequence]:
+        return list(sched.running) + list(sched.waiting)
+
+    while pending or sched.has_work():
+        assert step <= bound, f"no progress: {step} steps (bound {bound})"
+        # Arrivals.
+        while pending and sc.reqs[pending[0]].arrival <= step:
+            i = pending.pop(0)
+            r = sc.reqs[i]
+            seq_id = len(seqs)
+            prompt = [fake_token(10_000 + seq_id, p) for p in range(r.prompt_len)]
+            seq = Sequence(seq_id, i, prompt, r.prompt_len, SamplingParams(max_tokens=r.max_tokens))
+            seqs[seq_id] = seq
+            arrival_rank[seq_id] = len(arrival_rank)
+            sched.add(seq)
+
+        def due(seq: Sequence, mid_step: bool) -> bool:
+            r = sc.reqs[seq.key]
+            return (r.abort_after is not None and r.abort_mid_step == mid_step
+                    and step >= r.arrival + r.abort_after)
+
+        # Aborts between steps.
+        for seq in live():
+            if due(seq, mid_step=False):
+                end(seq, aborted)
+
+        if not sched.has_work():
+            step += 1
+            continue
+
+        running_before = set(id(s) for s in sched.running)
+        batch = sched.schedule()
+        step += 1
+
+        # --- invariants of the schedule
+        assert batch.num_tokens <= sc.max_batched_tokens
+        assert all(n >= 1 for n in batch.num_new)
+        assert len(set(map(id, batch.seqs))) == len(batch.seqs), "a seq scheduled twice in one step"
+        assert len(sched.running) <= sc.max_num_seqs
+        max_running = max(max_running, len(sched.running))
+        assert set(map(id, batch.seqs)) <= set(map(id, sched.running))
+        for victim in batch.preempted:
+            assert victim.status is SeqStatus.WAITING and victim in sched.waiting
+            assert victim.block_ids == [] and victim.num_computed == 0
+            assert all(v is not victim for v in batch.seqs)
+        if batch.preempted:
+            assert not [s for s in sched.running if id(s) not in running_before], "admitted while preempting"
+        for seq, n in zip(batch.seqs, batch.num_new):
+            assert seq.status is SeqStatus.RUNNING
+            assert n <= seq.num_uncomputed
+            # enough blocks for the tokens scheduled this step, and not more
+            assert len(seq.block_ids) == ceil_div(seq.num_computed + n, sc.block_size)
+        # FCFS: running (in admission order) then waiting is in arrival order, so nothing
+        # was admitted ahead of an earlier arrival still waiting.
+        ranks = [arrival_rank[s.seq_id] for s in live()]
+        assert ranks == sorted(ranks), f"not first-come first-served: {ranks}"
+        admitted = [s for s in sched.running if id(s) not in running_before]
+        for s in admitted:
+            assert all(arrival_rank[w.seq_id] > arrival_rank[s.seq_id] for w in sched.waiting)
+        for s in sched.waiting:
+            assert s.block_ids == [] and s.status is SeqStatus.WAITING
+        check_blocks(bm, live(), list(finished.values()) + list(aborted.values()))
+
+        # --- the control plane: driver -> ranks (as Engine.step does it)
+        for victim in batch.preempted:
+            plans.forget(victim)
+        if not len(batch):
+            continue  # Engine.step() sends no plan; pending dropped ids go with the next one
+        plan = plans.build(batch)
+        assert plan.num_tokens == batch.num_tokens and plan.num_seqs == len(batch)
+        rank_batch = mirror.receive(enc.encode(plan))
+        assert [sid for sid, _, _ in rank_batch] == [s.seq_id for s in batch.seqs]
+        for (sid, mseq, n), seq, want_n in zip(rank_batch, batch.seqs, batch.num_new):
+            assert n == want_n
+            assert mseq.token_ids == seq.token_ids, f"seq {sid}: rank tokens differ from the driver's"
+            assert mseq.block_ids == seq.block_ids, f"seq {sid}: rank block table differs from the driver's"
+            assert mseq.num_computed == seq.num_computed
+            assert mseq.prompt_len == seq.prompt_len and mseq.params == seq.params
+        assert set(mirror.seqs) == {s.seq_id for s in live() if s.sent_tokens}, "rank holds stale or missing seqs"
+
+        # --- the step "runs"; the sampling rank samples for seqs at the end of their tokens
+        to_sample = RankMirror.sample_ids(rank_batch)
+        want_sample = [s.seq_id for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
+        assert to_sample == want_sample
+        sampled = {sid: fake_token(sid, len(mirror.seqs[sid].token_ids)) for sid in to_sample}
+        RankMirror.executed(rank_batch)
+
+        # Aborts that race the running step.
+        for seq in live():
+            if due(seq, mid_step=True):
+                end(seq, aborted)
+
+        computed_before = {s.seq_id: s.num_computed for s in batch.seqs}
+        grown = sched.update(batch, sampled)
+        assert [s.seq_id for s in grown] == [sid for sid in want_sample if seqs[sid].status is SeqStatus.RUNNING]
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.status is SeqStatus.RUNNING:
+                assert seq.num_computed == computed_before[seq.seq_id] + n
+        for seq in grown:
+            assert seq.token_ids == expected_tokens(seq, seq.num_output_tokens)
+            assert seq.num_uncomputed == 1
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                end(seq, finished)
+
+        # --- after update: each running seq holds exactly the blocks of its computed tokens
+        for seq in sched.running:
+            assert len(seq.block_ids) == ceil_div(seq.num_computed, sc.block_size)
+            assert 1 <= seq.num_uncomputed
+        check_blocks(bm, live(), list(finished.values()) + list(aborted.values()))
+
+    assert not sched.running and not sched.waiting
+    assert bm.num_free == sc.num_blocks
+    return Outcome(finished, aborted, step, sched.num_preemptions, max_running)
+
+
+def check_outcome(sc: Scenario, out: Outcome) -> None:
+    # Every request either finished with all its tokens kept (preempted or not) or was aborted.
+    assert len(out.finished) + len(out.aborted) == len(sc.reqs)
+    assert not set(out.finished) & set(out.aborted)
+    for seq in out.finished.values():
+        r = sc.reqs[seq.key]
+        assert seq.num_output_tokens == r.max_tokens
+        assert seq.prompt_len == r.prompt_len
+        want = seq.token_ids[:seq.prompt_len] + [fake_token(seq.seq_id, seq.prompt_len + j) for j in range(r.max_tokens)]
+        assert seq.token_ids == want
+    for seq in out.aborted.values():
+        assert sc.reqs[seq.key].abort_after is not None
+    for i, r in enumerate(sc.reqs):
+        if r.abort_after is None:
+            assert any(s.key == i for s in out.finished.values()), f"request {i} never finished"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_engine_loop_invariants(sc):
+    check_outcome(sc, simulate(sc))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(allow_aborts=False))
+def test_every_request_finishes_without_aborts(sc):
+    out = simulate(sc)
+    check_outcome(sc, out)
+    assert len(out.finished) == len(sc.reqs)
+
+
+# ---------------------------------------------------------------- deterministic cases
+
+
+def test_preempted_seq_resumes_and_keeps_its_tokens():
+    # 4 blocks of 2 tokens; two requests of 3 + 4 tokens cannot both hold 4 blocks.
+    sc = Scenario(block_size=2, num_blocks=4, max_num_seqs=4, max_batched_tokens=16,
+                  reqs=(Req(0, 3, 5, None, False), Req(0, 3, 5, None, False)))
+    out = simulate(sc)
+    assert out.preemptions >= 1
+    assert out.max_running == 2
+    assert any(s.num_preemptions for s in out.finished.values())
+    check_outcome(sc, out)
+
+
+def test_preemption_takes_the_most_recently_admitted():
+    bm = BlockManager(num_blocks=3, block_size=1)
+    sched = Scheduler(bm, max_num_seqs=4, max_batched_tokens=8)
+    a, b = (Sequence(i, i, [1], 1, SamplingParams(max_tokens=4)) for i in range(2))
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and bm.num_free == 1
+    sched.update(batch, {0: 5, 1: 6})
+    batch = sched.schedule()  # a takes the last block; b has none left and preempts itself
+    assert batch.seqs == [a] and batch.preempted == [b]
+    assert list(sched.waiting) == [b] and b.num_computed == 0 and b.token_ids == [1, 6]
+    assert a.block_ids and bm.num_free + len(a.block_ids) == 3
+
+
+def test_token_budget_chunks_a_long_prompt():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_batched_tokens=5)
+    seq = Sequence(0, 0, list(range(12)), 12, SamplingParams(max_tokens=2))
+    sched.add(seq)
+    chunks = []
+    while True:
+        batch = sched.schedule()
+        chunks.append(batch.num_new)
+        grown = sched.update(batch, {0: 99})
+        if grown:
+            break
+    assert chunks == [[5], [5], [2]]
+    assert seq.token_ids[-1] == 99 and len(seq.block_ids) == 3
+
+
+def test_admission_respects_max_num_seqs_and_order():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_batched_tokens=100)
+    seqs = [Sequence(i, i, [1, 2, 3], 3, SamplingParams()) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.seqs == seqs[:2]
+    assert list(sched.waiting) == seqs[2:]
+    sched.update(batch, {0: 7, 1: 8})
+    sched.finish(seqs[0])
+    batch = sched.schedule()
+    assert batch.seqs == [seqs[1], seqs[2]] and batch.num_new == [1, 3]
+
+
+def test_plan_sends_new_seqs_whole_then_deltas():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=4, max_batched_tokens=16)
+    plans = PlanBuilder()
+    seq = Sequence(5, 5, [1, 2, 3, 4], 4, SamplingParams(max_tokens=3))
+    sched.add(seq)
+    p0 = plans.build(batch := sched.schedule())
+    assert [n.seq_id for n in p0.new] == [5] and p0.new[0].token_ids == [1, 2, 3, 4] and p0.running == []
+    assert p0.new[0].block_ids == seq.block_ids and len(seq.block_ids) == 2 and p0.new[0].num_new == 4
+    sched.update(batch, {5: 9})
+    p1 = plans.build(batch := sched.schedule())
+    assert p1.new == [] and len(p1.running) == 1
+    d = p1.running[0]
+    assert (d.seq_id, d.new_token_ids, d.num_new) == (5, [9], 1)
+    assert len(seq.block_ids) == 3 and d.new_block_ids == seq.block_ids[2:]  # a third block, for position 4
+    assert p1.step_id == p0.step_id + 1
+    sched.finish(seq)
+    plans.forget(seq)
+    plans.forget(seq)  # forgetting twice drops once
+    p2 = plans.build(ScheduledBatch())
+    assert p2.dropped == [5]
+    assert plans.build(ScheduledBatch()).dropped == []
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(1, 1), (3, 4)])
+def test_single_request_filling_the_whole_cache(num_blocks, block_size):
+    capacity = num_blocks * block_size
+    sc = Scenario(block_size, num_blocks, 1, 3, (Req(0, 1, capacity, None, False),))
+    out = simulate(sc)
+    check_outcome(sc, out)
+    assert out.preemptions == 0
