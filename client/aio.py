@@ -31,6 +31,9 @@ class AsyncClient:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         req = make_request(prompt, request_id=request_id, stream=stream, **params)
+        if req.request_id in self._queues:
+            raise MeshserveError("duplicate_id", f"request_id {req.request_id!r} is already in flight on this client",
+                                 req.request_id)
         self._queues[req.request_id] = asyncio.Queue()
         await self._sock.send(self._encoder.encode(req))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)

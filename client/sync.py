@@ -34,6 +34,9 @@ class Client:
         Deltas, the last with finish_reason and usage. Raises MeshserveError on an error
         reply and RequestTimeout (after aborting) when the server stays silent."""
         req = make_request(prompt, request_id=request_id, stream=stream, **params)
+        if req.request_id in self._pending:
+            raise MeshserveError("duplicate_id", f"request_id {req.request_id!r} is already in flight on this client",
+                                 req.request_id)
         self._pending[req.request_id] = collections.deque()
         self._sock.send(self._encoder.encode(req))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)

@@ -24,7 +24,10 @@ from meshserve.engine.validation import RequestError, check_params, check_prompt
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 16 << 20
+MAX_REQUEST_BYTES = 16 << 20
+"""A larger frame gets a too_long error reply."""
+MAX_FRAME_BYTES = 256 << 20
+"""ZeroMQ drops a connection that sends a frame larger than this (no reply is possible)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,10 @@ class Frontend:
         identity = frames[0]
         if len(frames) != 2:
             self._reply_error(identity, None, "bad_request", f"expected one message frame, got {len(frames) - 1}")
+            return
+        if len(frames[1]) > MAX_REQUEST_BYTES:
+            self._reply_error(identity, None, "too_long",
+                              f"the message has {len(frames[1])} bytes; the limit is {MAX_REQUEST_BYTES}")
             return
         try:
             msg = decoder.decode(frames[1])

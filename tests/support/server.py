@@ -1,0 +1,77 @@
+"""A real `meshserve` process for end-to-end tests: start, wait for `ready`, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MeshserveProcess:
+    """`cmd` is the command line after the python executable, e.g.
+    ["-m", "meshserve.launcher.cli", "serve", "--set", ...]; or a full command with `raw=True`."""
+
+    def __init__(self, cmd: list[str], log_dir: Path, name: str = "server", raw: bool = False, env=None):
+        self.log = log_dir / f"{name}.log"
+        self._log_file = open(self.log, "wb")
+        full = cmd if raw else [sys.executable, *cmd]
+        # its own session: the test can signal the whole group (launcher and ranks)
+        self.proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=self._log_file, text=True, bufsize=1,
+                                     start_new_session=True, env=env)
+        self.stdout: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.stdout.append(line)
+            if "ready" in line:
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 180.0) -> str:
+        """Returns the ready line; fails with the log if the process exits or times out."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no ready line (exit code {self.proc.poll()}); log:\n{self.tail()}")
+        return next(line for line in self.stdout if "ready" in line)
+
+    def tail(self, n: int = 5000) -> str:
+        self._log_file.flush()
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Signal the launcher (as an operator would) and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._log_file.close()
+
+    def group_alive(self) -> bool:
+        """Whether any process of the launcher's session is still running."""
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
