@@ -53,3 +53,24 @@ def all_gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     dist.all_gather(parts, x, group=group.device_group)
     group.timer.stop(started)
     return torch.cat(parts, dim=-1)
+
+
+def send_to_next_stage(x: torch.Tensor, group: AxisGroup) -> list:
+    """Sends `x` to the next pipeline stage (batched isend); returns the pending works,
+    which must be waited on before `x` is reused or freed."""
+    started = group.timer.start()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), group.next_rank, group.device_group)])
+    group.timer.stop(started)
+    return works
+
+
+def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                         group: AxisGroup) -> torch.Tensor:
+    """Receives a tensor of `shape` from the previous pipeline stage (sizes come from the
+    step plan, which every rank has)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    started = group.timer.start()
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, group.prev_rank, group.device_group)]):
+        work.wait()
+    group.timer.stop(started)
+    return x

@@ -18,10 +18,18 @@ def local_num_kv_heads(num_key_value_heads: int, tp_size: int) -> int:
     return max(1, num_key_value_heads // tp_size)
 
 
-def layers_per_stage(num_layers: int, pp_size: int) -> list[int]:
-    """Even split; the first stages take the remainder."""
+def layers_per_stage(num_layers: int, pp_size: int, explicit: list[int] | None = None) -> list[int]:
+    """The config's split, else an even one (the first stages take the remainder)."""
+    if explicit:
+        return list(explicit)
     base, extra = divmod(num_layers, pp_size)
     return [base + (1 if s < extra else 0) for s in range(pp_size)]
+
+
+def stage_layer_range(counts: list[int], stage: int) -> tuple[int, int]:
+    """[start, end) of the global layer indices held by `stage`."""
+    start = sum(counts[:stage])
+    return start, start + counts[stage]
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     h, v = info.hidden_size, info.vocab_size
     embed = math.ceil(v / tp) * h
     per_layer = (info.num_parameters - v * h * (1 if info.tie_word_embeddings else 2) - h) / info.num_hidden_layers
-    stage_layers = max(layers_per_stage(info.num_hidden_layers, pp))
+    stage_layers = max(layers_per_stage(info.num_hidden_layers, pp, config.parallel.pipeline_layers))
     # The first stage holds the embedding, the last the LM head (tied: loaded on both ends).
     ends = embed * (1 if (pp > 1 or info.tie_word_embeddings) else 2)
     weight_bytes = int((stage_layers * per_layer / tp + ends + h) * nbytes)

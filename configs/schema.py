@@ -33,6 +33,14 @@ class ParallelConfig(Section):
     tensor: PositiveInt = 1
     pipeline: PositiveInt = 1
     context: PositiveInt = 1
+    pipeline_layers: list[PositiveInt] | None = None
+    """Layers per pipeline stage, first to last (default: an even split)."""
+    micro_batches: PositiveInt | None = None
+    """Micro-batches in flight through the pipeline (default: one per stage)."""
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches or self.pipeline
 
 
 class DeviceConfig(Section):

@@ -55,6 +55,13 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
         problems.append(f"parallel.tensor={tp} does not divide intermediate_size={info.intermediate_size}")
     if pp > info.num_hidden_layers:
         problems.append(f"parallel.pipeline={pp} exceeds num_hidden_layers={info.num_hidden_layers}")
+    split = config.parallel.pipeline_layers
+    if split is not None and len(split) != pp:
+        problems.append(f"parallel.pipeline_layers has {len(split)} entries {split}, one per stage needed "
+                        f"(parallel.pipeline={pp})")
+    elif split is not None and sum(split) != info.num_hidden_layers:
+        problems.append(f"parallel.pipeline_layers={split} sums to {sum(split)}, not num_hidden_layers="
+                        f"{info.num_hidden_layers}")
     max_len = resolved_max_model_len(config, info)
     if max_len > info.max_position_embeddings:
         problems.append(

@@ -6,9 +6,11 @@ immutable plans. The server's step loop and offline `generate` both drive it.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 from meshserve.comm.messages import Delta, SamplingParams
 from meshserve.configs.memory import MemoryPlan
@@ -17,7 +19,7 @@ from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.executor import Executor
 from meshserve.engine.output import OutputProcessor, RequestState
 from meshserve.engine.plan import PlanBuilder
-from meshserve.engine.scheduler import Scheduler
+from meshserve.engine.scheduler import ScheduledBatch, Scheduler
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.validation import RequestError
@@ -39,10 +41,20 @@ class EngineStats:
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class InFlight:
+    batch: ScheduledBatch
+    handle: Any
+
+
 class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
-                 vocab_size: int):
+                 vocab_size: int, micro_batches: int = 1):
+        """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
+        takes its share of the sequences, and no sequence is in two at once."""
         self.executor = executor
+        self.micro_batches = micro_batches
+        self._in_flight: deque[InFlight] = deque()
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.memory = memory
@@ -60,7 +72,7 @@ class Engine:
         return len(self.requests)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stream: bool = True) -> None:
@@ -84,20 +96,19 @@ class Engine:
         return delta
 
     def step(self) -> list[tuple[Hashable, Delta]]:
+        """Fill the free micro-batch slots, then finish the oldest step in flight."""
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        for seq in batch.preempted:
-            self.plans.forget(seq)
-        if not len(batch):  # no plan: the dropped ids wait for the next one
+        self._fill()
+        if not self._in_flight:
             return []
-        plan = self.plans.build(batch)
-        scheduled = time.perf_counter()
-        result = self.executor.execute(plan)
+        submitted = time.perf_counter()
+        done = self._in_flight.popleft()
+        result = self.executor.wait(done.handle)
         executed = time.perf_counter()
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
         out: list[tuple[Hashable, Delta]] = []
-        for seq in self.scheduler.update(batch, sampled):
+        for seq in self.scheduler.update(done.batch, sampled):
             state = self._by_seq[seq.seq_id]
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
@@ -109,10 +120,29 @@ class Engine:
         end = time.perf_counter()
         self.stats.steps += 1
         self.stats.step_seconds += end - start
-        self.stats.schedule_seconds += scheduled - start
-        self.stats.execute_seconds += executed - scheduled
+        self.stats.execute_seconds += executed - submitted
         self.stats.postprocess_seconds += end - executed
         return out
+
+    def _fill(self) -> None:
+        """Schedule and submit steps until micro_batches are in flight or nothing is left."""
+        while len(self._in_flight) < self.micro_batches:
+            started = time.perf_counter()
+            busy = frozenset(s.seq_id for f in self._in_flight for s in f.batch.seqs)
+            cap = None
+            if self.micro_batches > 1:  # an even share of what can run, over the free slots
+                ready = sum(1 for s in self.scheduler.running if s.seq_id not in busy) + len(self.scheduler.waiting)
+                cap = max(1, math.ceil(ready / (self.micro_batches - len(self._in_flight))))
+            batch = self.scheduler.schedule(busy, cap)
+            for seq in batch.preempted:
+                self.plans.forget(seq)
+            if not len(batch):  # no plan: the dropped ids wait for the next one
+                return
+            plan = self.plans.build(batch)
+            scheduled = time.perf_counter()
+            self._in_flight.append(InFlight(batch, self.executor.submit(plan)))
+            self.stats.schedule_seconds += scheduled - started
+            self.stats.execute_seconds += time.perf_counter() - scheduled
 
     def _finish(self, state: RequestState) -> None:
         seq = state.seq

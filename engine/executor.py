@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from meshserve.comm.control import DriverChannel
 from meshserve.comm.messages import Shutdown, StepPlan, StepResult
@@ -11,19 +11,26 @@ from meshserve.engine.model_runner import ModelRunner
 
 
 class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def submit(self, plan: StepPlan) -> Any:
+        """Start the step on every rank (the driver's own shard runs now); returns a handle."""
+
+    def wait(self, handle: Any) -> StepResult:
+        """The tokens of a submitted step; steps finish in submission order."""
 
     def shutdown(self) -> None: ...
 
 
 class LocalExecutor:
-    """World size 1: the driver is the only rank."""
+    """World size 1: the driver is the only rank; a step is done when submit returns."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
 
     def shutdown(self) -> None:
         pass
@@ -38,16 +45,21 @@ class DistributedExecutor:
         self.control_seconds = 0.0
         """Publishing plans and waiting for the sampling rank's tokens after our own shard ran."""
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> StepResult | int:
         start = time.perf_counter()
         self.channel.publish(plan)
         self.control_seconds += time.perf_counter() - start
         local = self.runner.execute(plan)
-        if self.runner.groups.is_sampler:
-            return local
+        return local if self.runner.groups.is_sampler else plan.step_id
+
+    def wait(self, handle: StepResult | int) -> StepResult:
+        if isinstance(handle, StepResult):
+            return handle
         start = time.perf_counter()
         result = self.channel.recv_result(self.result_timeout)
         self.control_seconds += time.perf_counter() - start
+        if result.step_id != handle:
+            raise RuntimeError(f"the sampling rank answered step {result.step_id}, expected step {handle}")
         return result
 
     def shutdown(self) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import time
+from collections import deque
 
 import torch
 
+from meshserve.comm.collectives import recv_from_prev_stage, send_to_next_stage
 from meshserve.comm.messages import SamplingParams, StepPlan, StepResult
-from meshserve.configs.memory import MemoryPlan
+from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.attention import build_attention_metadata
 from meshserve.layers.loader import build_model
@@ -59,13 +61,24 @@ class StepInputs:
 
 
 class ModelRunner:
+    MAX_PENDING_SENDS = 4
+    """Activations sent to the next stage and not yet known to be received."""
+
     def __init__(self, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str = "cpu",
-                 sampler_seed: int | None = None, show_progress: bool = False):
+                 sampler_seed: int | None = None, show_progress: bool = False,
+                 layer_counts: list[int] | None = None):
+        """`layer_counts`: layers per pipeline stage (default: all on one stage)."""
         self.info, self.memory, self.groups = info, memory, groups
         self.device = torch.device(device)
         self.dtype = DTYPES[memory.dtype]
+        counts = layer_counts or [info.num_hidden_layers]
+        if len(counts) != groups.pp.size:
+            raise ValueError(f"{len(counts)} stage layer counts for {groups.pp.size} pipeline stages")
         self.model = build_model(info, groups.tp, self.dtype, device=self.device, max_position=memory.max_model_len,
+                                 layer_range=stage_layer_range(counts, groups.pp.rank),
+                                 is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
                                  show_progress=show_progress)
+        self._pending_sends: deque = deque()
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
         shape = (memory.num_blocks, memory.block_size, heads, info.head_dim)
@@ -111,6 +124,13 @@ class ModelRunner:
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         return inputs
 
+    def _send(self, x: torch.Tensor) -> None:
+        self._pending_sends.append((x, send_to_next_stage(x, self.groups.pp)))
+        while len(self._pending_sends) > self.MAX_PENDING_SENDS:
+            _, works = self._pending_sends.popleft()
+            for work in works:
+                work.wait()
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Returns the sampled tokens on the sampling rank, None elsewhere."""
@@ -122,9 +142,18 @@ class ModelRunner:
         meta = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
                                         self.memory.block_size, self.device)
         prepared = time.perf_counter()
-        hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        pp = self.groups.pp
+        received = None
+        if not pp.is_first:  # (num_tokens, hidden_size): the previous stage's hidden + residual
+            received = recv_from_prev_stage((len(inputs.input_ids), self.info.hidden_size), self.dtype,
+                                            self.device, pp)
+        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden=received)
         for _, seq, n in batch:
             seq.num_computed += n
+        if not pp.is_last:
+            # NOTE: the next stage's first layer adds hidden and residual before its norm; sending
+            # the sum is the same arithmetic with half the bytes.
+            self._send(hidden if residual is None else hidden + residual)
         forwarded = time.perf_counter()
         self.stats.prepare_seconds += prepared - start
         self.stats.forward_seconds += forwarded - prepared

@@ -49,27 +49,36 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> ScheduledBatch:
+        """One step's batch. `busy`: ids of sequences in a step still in flight (pipeline
+        micro-batches): they are neither scheduled nor preempted. `max_seqs`: this step's
+        share of sequences (default max_num_seqs)."""
         batch = ScheduledBatch()
         budget = self.max_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        cap = max_seqs or self.max_num_seqs
+        for seq in list(self.running):
+            if budget <= 0 or len(batch) >= cap:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in busy:
+                continue  # preempted a moment ago, or in flight
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.can_grow(seq, n):
-                victim = self.running.pop()
+                victim = self._victim(busy, batch)
+                if victim is None:
+                    break  # what would free blocks is in flight: this one waits a step
+                self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
-            else:
+            if seq.status is SeqStatus.RUNNING and self.blocks.can_grow(seq, n):
                 self.blocks.grow(seq, n)
                 batch.seqs.append(seq)
                 batch.num_new.append(n)
                 budget -= n
-                i += 1
         # Admit only when nothing was preempted: memory is short this step.
-        while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not batch.preempted and self.waiting and budget > 0 and len(batch) < cap
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_grow(seq, n):
@@ -82,6 +91,14 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
         return batch
+
+    def _victim(self, busy: frozenset[int], batch: ScheduledBatch) -> Sequence | None:
+        """The most recently admitted running sequence that is neither in flight nor
+        already in this batch."""
+        for seq in reversed(self.running):
+            if seq.seq_id not in busy and not any(s is seq for s in batch.seqs):
+                return seq
+        return None
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from meshserve.comm.control import DriverChannel, WorkerChannel, broadcast_text
-from meshserve.configs.memory import MemoryPlan
+from meshserve.configs.memory import MemoryPlan, layers_per_stage
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
 from meshserve.engine.engine import Engine
@@ -46,6 +46,10 @@ def _shm_slot_bytes(config: Config, info: ModelInfo) -> int:
     return 4 * max(hidden, logits)
 
 
+def _layer_counts(config: Config, info: ModelInfo) -> list[int]:
+    return layers_per_stage(info.num_hidden_layers, config.parallel.pipeline, config.parallel.pipeline_layers)
+
+
 def _device(config: Config, env: RankEnv) -> str:
     return f"cuda:{env.local_rank}" if config.device.type == "cuda" else "cpu"
 
@@ -76,13 +80,15 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
     if groups.world_size > 1:
         channel = DriverChannel(env.master_addr, groups.world_size)
         broadcast_text(channel.addresses, src=0)
-    runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True)
+    runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
+                         layer_counts=_layer_counts(config, info))
     if channel is None:
         executor = LocalExecutor(runner)
     else:
         channel.handshake(HANDSHAKE_TIMEOUT_S)
         executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S)
-    engine = Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size)
+    engine = Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
+                    micro_batches=config.parallel.num_micro_batches)
     try:
         return mode.run(engine)
     finally:
@@ -95,7 +101,7 @@ def _follow(config, info, memory, env, groups) -> None:
     signal.signal(signal.SIGTERM, lambda *_: log.info("rank %d: signal received; waiting for the driver", env.global_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = WorkerChannel(broadcast_text(None, src=0), env.global_rank)
-    runner = ModelRunner(info, memory, groups, _device(config, env))
+    runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=_layer_counts(config, info))
     channel.handshake(HANDSHAKE_TIMEOUT_S)
     try:
         worker_loop(runner, channel)
