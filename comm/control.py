@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from meshserve.comm.messages import (ControlMessage, Hello, Ready, StepResult, control_decoder, encoder,
-                                     rank_decoder)
+from meshserve.comm.messages import (ControlMessage, Hello, RankStats, Ready, StepResult, control_decoder,
+                                     encoder, rank_decoder)
 
 ADDRESS_BYTES = 512
 
@@ -64,6 +64,8 @@ class DriverChannel:
         ip = socket.gethostbyname(host)
         self.addresses = f"{_bind_ephemeral(self._pub, ip)} {_bind_ephemeral(self._pull, ip)}"
         self._encoder, self._decoder = encoder(), rank_decoder()
+        self.rank_stats: dict[int, RankStats] = {}
+        """The latest counters of each other rank."""
 
     def handshake(self, timeout: float) -> None:
         waiting = set(range(1, self.world_size))
@@ -89,6 +91,19 @@ class DriverChannel:
             msg = self._decode(self._pull.recv())
             if isinstance(msg, StepResult):
                 return msg
+            self._note(msg)
+
+    def drain(self) -> None:
+        """Take in whatever the ranks sent besides results (their stats), without waiting."""
+        while self._pull.poll(0):
+            msg = self._decode(self._pull.recv())
+            if isinstance(msg, StepResult):
+                raise ControlPlaneError(f"an unexpected step result (step {msg.step_id}) from a rank")
+            self._note(msg)
+
+    def _note(self, msg) -> None:
+        if isinstance(msg, RankStats):
+            self.rank_stats[msg.rank] = msg
 
     def _decode(self, frame: bytes):
         try:
@@ -139,6 +154,9 @@ class WorkerChannel:
 
     def send_result(self, result: StepResult) -> None:
         self._push.send(self._encoder.encode(result))
+
+    def send_stats(self, stats: RankStats) -> None:
+        self._push.send(self._encoder.encode(stats))
 
     def close(self) -> None:
         self._sub.close()

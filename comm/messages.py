@@ -195,7 +195,18 @@ class StepResult(Struct, frozen=True, tag="result"):
     logprobs: list[TokenLogprob | None] | None = None
 
 
-RankMessage = Union[StepResult, Ready]
+class RankStats(Struct, frozen=True, tag="stats"):
+    """A rank's counters, sent to the driver now and then (pipeline stage occupancy)."""
+
+    rank: int
+    busy_seconds: float
+    """Time spent computing this rank's shard (waits for other stages excluded)."""
+    wall_seconds: float
+    """Time since the rank started following plans."""
+    steps: int
+
+
+RankMessage = Union[StepResult, Ready, RankStats]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

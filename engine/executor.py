@@ -6,7 +6,7 @@ import time
 from typing import Any, Protocol
 
 from meshserve.comm.control import DriverChannel
-from meshserve.comm.messages import Shutdown, StepPlan, StepResult
+from meshserve.comm.messages import RankStats, Shutdown, StepPlan, StepResult
 from meshserve.engine.model_runner import ModelRunner
 
 
@@ -17,6 +17,9 @@ class Executor(Protocol):
     def wait(self, handle: Any) -> StepResult:
         """The tokens of a submitted step; steps finish in submission order."""
 
+    def rank_stats(self) -> dict[int, RankStats]:
+        """The latest counters of every rank (pipeline stage occupancy)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -25,9 +28,13 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.started = time.monotonic()
 
     def submit(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    def rank_stats(self) -> dict[int, RankStats]:
+        return {0: self.runner.rank_stats(time.monotonic() - self.started, 0)}
 
     def wait(self, handle: StepResult) -> StepResult:
         return handle
@@ -44,6 +51,11 @@ class DistributedExecutor:
         self.runner, self.channel, self.result_timeout = runner, channel, result_timeout
         self.control_seconds = 0.0
         """Publishing plans and waiting for the sampling rank's tokens after our own shard ran."""
+        self.started = time.monotonic()
+
+    def rank_stats(self) -> dict[int, RankStats]:
+        """Every rank's latest counters, the driver's own included."""
+        return {0: self.runner.rank_stats(time.monotonic() - self.started, 0), **self.channel.rank_stats}
 
     def submit(self, plan: StepPlan) -> StepResult | int:
         start = time.perf_counter()
@@ -54,6 +66,7 @@ class DistributedExecutor:
 
     def wait(self, handle: StepResult | int) -> StepResult:
         if isinstance(handle, StepResult):
+            self.channel.drain()
             return handle
         start = time.perf_counter()
         result = self.channel.recv_result(self.result_timeout)

@@ -15,7 +15,7 @@ from collections import deque
 import torch
 
 from meshserve.comm.collectives import recv_from_prev_stage, send_to_next_stage
-from meshserve.comm.messages import SamplingParams, StepPlan, StepResult
+from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.attention import build_attention_metadata
@@ -123,6 +123,14 @@ class ModelRunner:
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         return inputs
+
+    def busy_seconds(self) -> float:
+        """Time computing this rank's shard: the forward and sampling, less the waits for
+        (and sends to) other pipeline stages."""
+        return self.stats.forward_seconds + self.stats.sample_seconds - self.groups.pp.timer.seconds
+
+    def rank_stats(self, wall_seconds: float, steps: int) -> RankStats:
+        return RankStats(self.groups.global_rank, self.busy_seconds(), wall_seconds, steps)
 
     def _send(self, x: torch.Tensor) -> None:
         self._pending_sends.append((x, send_to_next_stage(x, self.groups.pp)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from meshserve.comm.control import WorkerChannel
 from meshserve.comm.messages import Shutdown
@@ -10,14 +11,23 @@ from meshserve.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
+STATS_INTERVAL_S = 1.0
+
 
 def worker_loop(runner: ModelRunner, channel: WorkerChannel) -> None:
-    """Runs until the driver publishes Shutdown."""
+    """Runs until the driver publishes Shutdown; reports its counters about once a second."""
+    started = last_report = time.monotonic()
+    steps = 0
     while True:
         msg = channel.recv()
         if isinstance(msg, Shutdown):
             log.info("rank %d: shutdown (%s)", channel.rank, msg.reason or "driver finished")
             return
         result = runner.execute(msg)
+        steps += 1
         if result is not None:
             channel.send_result(result)
+        now = time.monotonic()
+        if now - last_report >= STATS_INTERVAL_S:
+            channel.send_stats(runner.rank_stats(now - started, steps))
+            last_report = now

@@ -21,7 +21,7 @@ from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.worker import worker_loop
 from meshserve.launcher.env import RankEnv, cpu_threads
 from meshserve.parallel.process_groups import destroy_process_groups, init_process_groups
-from meshserve.parallel.topology import Topology
+from meshserve.parallel.topology import Groups, Topology
 
 log = logging.getLogger("meshserve")
 
@@ -38,7 +38,7 @@ class DriverMode(Protocol):
     def run(self, engine: Engine) -> int: ...
 
 
-def _shm_slot_bytes(config: Config, info: ModelInfo) -> int:
+def shm_slot_bytes(config: Config, info: ModelInfo) -> int:
     """Largest TP collective of a step, in float32: the activations of a full token budget,
     or the logits slices of a full batch."""
     hidden = config.scheduler.max_batched_tokens * info.hidden_size
@@ -63,14 +63,20 @@ def run_rank(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, 
         torch.set_num_threads(cpu_threads(config.device.threads, env.local_world_size))
     topology = Topology(config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
     groups = init_process_groups(topology, env.global_rank, env.master_addr, env.master_port,
-                                 config.device.type, env.local_rank, shm_slot_bytes=_shm_slot_bytes(config, info))
+                                 config.device.type, env.local_rank, shm_slot_bytes=shm_slot_bytes(config, info))
     try:
-        if groups.is_driver:
-            return _drive(config, info, memory, env, mode, groups)
-        _follow(config, info, memory, env, groups)
-        return 0
+        return run_in_world(config, info, memory, env, mode, groups)
     finally:
         destroy_process_groups()
+
+
+def run_in_world(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, mode: DriverMode,
+                 groups: Groups) -> int:
+    """The rank's work once its process groups exist: drive, or follow the driver."""
+    if groups.is_driver:
+        return _drive(config, info, memory, env, mode, groups)
+    _follow(config, info, memory, env, groups)
+    return 0
 
 
 def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:

@@ -113,19 +113,23 @@ class PagedAttention(nn.Module):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # (num_decodes, max_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
-        keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                           scale=self.scale, enable_gqa=True)
-        return o.squeeze(2)
+        n, width = meta.decode_block_tables.shape
+        blocks = meta.decode_block_tables.flatten()
+        # (num_decodes * max_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
+        keys = k_cache.index_select(0, blocks).view(n, -1, self.local_num_kv_heads, self.head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, blocks).view(n, -1, self.local_num_kv_heads, self.head_dim).transpose(1, 2)
+        # NOTE: GQA as a short query: the query heads sharing a KV head become that head's
+        # "query positions" (no causal mask), so no KV head is repeated.
+        grouped = q.view(n, self.local_num_kv_heads, -1, self.head_dim)  # (num_decodes, kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        return o.reshape(n, self.local_num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         if chunk.mask is None:  # no cached prefix: attend within the chunk, the new K/V at hand
             keys, values = k, v
         else:
-            keys = k_cache[chunk.block_table].flatten(0, 1)[: chunk.seq_len]
-            values = v_cache[chunk.block_table].flatten(0, 1)[: chunk.seq_len]
+            keys = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
+            values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                            attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=self.scale, enable_gqa=True)

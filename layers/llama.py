@@ -37,7 +37,7 @@ STACKED_PARAMS = (
 class LlamaAttention(nn.Module):
     """One all-reduce: in o_proj (row-parallel)."""
 
-    def __init__(self, info: ModelInfo, tp: AxisGroup, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(info.hidden_size, info.head_dim, info.num_attention_heads,
                                           info.num_key_value_heads, tp, bias=info.attention_bias, dtype=dtype)
@@ -45,16 +45,15 @@ class LlamaAttention(nn.Module):
         self.local_num_heads = self.qkv_proj.local_num_heads
         self.local_num_kv_heads = self.qkv_proj.local_num_kv_heads
         self.head_dim = info.head_dim
-        self.rotary = rotary
         self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(-1, self.local_num_heads, self.head_dim)  # (num_tokens, local_num_heads, head_dim)
         k = k.view(-1, self.local_num_kv_heads, self.head_dim)  # (num_tokens, local_num_kv_heads, head_dim)
         v = v.view(-1, self.local_num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.flatten(1))  # (num_tokens, hidden_size)
 
@@ -73,19 +72,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, info: ModelInfo, tp: AxisGroup, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(info, tp, rotary, dtype)
+        self.self_attn = LlamaAttention(info, tp, dtype)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(info, tp, dtype)
 
-    def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, rope, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -96,8 +95,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.layer_start, self.layer_end = layer_range
         self.embed_tokens = VocabParallelEmbedding(info.vocab_size, info.hidden_size, tp, dtype) if has_embedding else None
-        rotary = RotaryEmbedding(info.head_dim, max_position, info.rope_theta, info.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, rotary, dtype) for _ in range(*layer_range))
+        self.rotary = RotaryEmbedding(info.head_dim, max_position, info.rope_theta, info.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, dtype) for _ in range(*layer_range))
+        self.dtype = dtype
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype) if has_head else None
 
     def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: AttentionMetadata):
@@ -105,8 +105,9 @@ class LlamaModel(nn.Module):
         residual). Last stage returns the final-normed hidden states and residual None."""
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
             residual = None

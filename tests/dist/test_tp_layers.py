@@ -99,7 +99,8 @@ def count_allreduces_per_layer(groups, num_heads, num_kv_heads):
                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=12, vocab_size=100,
                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True,
                      attention_bias=False)
-    layer = LlamaDecoderLayer(info, groups.tp, RotaryEmbedding(12, 64, 10000.0), torch.float32)
+    layer = LlamaDecoderLayer(info, groups.tp, torch.float32)
+    rope = RotaryEmbedding(12, 64, 10000.0).lookup(torch.tensor([0, 1, 2, 4]), torch.float32)
     for p in layer.parameters():
         torch.nn.init.normal_(p)
     heads = layer.self_attn.local_num_kv_heads
@@ -115,7 +116,7 @@ def count_allreduces_per_layer(groups, num_heads, num_kv_heads):
     dist.all_reduce = counting  # the gloo path
     before = groups.tp.timer.calls  # every TP collective, shared-memory path included
     try:
-        layer(torch.tensor([0, 1, 2, 4]), torch.randn(4, HIDDEN), None, cache, meta)
+        layer(rope, torch.randn(4, HIDDEN), None, cache, meta)
     finally:
         dist.all_reduce = original
     collectives = groups.tp.timer.calls - before

@@ -521,3 +521,30 @@ def test_check_tiny_file_succeeds(tiny_checkpoints, tmp_path, capsys):
     assert "#   KV per token:      768 bytes" in lines
     assert any(l.startswith("#   KV cache:          40 blocks x 16 tokens = 640 tokens") for l in lines)
     assert "#   max_model_len:     512" in lines
+
+
+# ---------------------------------------------------------------- pipeline partitions
+
+
+def test_pipeline_layers_not_summing_to_the_layer_count(tiny_checkpoints, tmp_path):
+    config, source = tiny_config(tiny_checkpoints, tmp_path,
+                                 "parallel:\n  pipeline: 2\n  pipeline_layers: [1, 1]\n")
+    msg = check_error(config, source)
+    assert "parallel.pipeline_layers=[1, 1] sums to 2, not num_hidden_layers=3" in msg
+
+
+def test_pipeline_layers_one_entry_per_stage(tiny_checkpoints, tmp_path):
+    config, source = tiny_config(tiny_checkpoints, tmp_path, "parallel:\n  pipeline: 2\n  pipeline_layers: [3]\n")
+    assert "parallel.pipeline_layers has 1 entries [3], one per stage needed (parallel.pipeline=2)" in \
+        check_error(config, source)
+
+
+def test_pipeline_layers_must_be_positive(tmp_path):
+    p = write(tmp_path, "zero.yaml", "parallel:\n  pipeline: 2\n  pipeline_layers: [3, 0]\n")
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_layers.1: Input should be greater than 0"):
+        load_config(p)
+
+
+def test_bad_partition_fails_before_any_rank_starts(smollm2, capsys):
+    assert main(["serve", "--set", "parallel.pipeline=2", "--set", "parallel.pipeline_layers=[10, 10]"]) == 2
+    assert "parallel.pipeline_layers=[10, 10] sums to 20, not num_hidden_layers=30" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""Tensor parallelism through real launchers: `meshserve serve` starting 3 ranks, and an
-external `torchrun` running `meshserve worker`; tokens compared with one rank and with
-transformers. Config mistakes fail before any rank starts."""
+"""Tensor and pipeline parallelism through real launchers: `meshserve serve` starting its
+ranks, and an external `torchrun` running `meshserve worker`; tokens compared with one
+rank and with transformers. Config mistakes fail before any rank starts."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color."]
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_serve_matches_transformers(tmp_path, smollm2):
+@pytest.mark.parametrize("config,world", [("smollm2-tp3.yaml", 3), ("smollm2-pp2.yaml", 2)])
+def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, world):
     from support.checkpoints import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
@@ -28,14 +29,14 @@ def test_smollm2_tp3_serve_matches_transformers(tmp_path, smollm2):
              for q in QUESTIONS]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     address = f"tcp://127.0.0.1:{free_port()}"
-    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", str(REPO / "configs" / "smollm2-tp3.yaml"),
+    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", str(REPO / "configs" / config),
                                "--set", f"server.zmq={address}", "--set", "model.max_model_len=512"], tmp_path)
     try:
         ref = hf_model(smollm2)
         want = [hf_greedy(ref, p, 16) for p in prompts]
         del ref
         line = server.wait_ready()
-        assert "world_size=3" in line and address in line
+        assert f"world_size={world}" in line and address in line
         with Client(address, timeout=120) as client:
             got = [client.generate(p, max_tokens=16, temperature=0) for p in prompts]
         for w, g in zip(want, got):

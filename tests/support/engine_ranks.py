@@ -1,0 +1,38 @@
+"""The whole engine on gloo ranks: rank 0 drives (scheduler, control plane), the others
+follow its plans, exactly as under a launcher; the driver's completions come back."""
+
+from __future__ import annotations
+
+from meshserve.comm.messages import SamplingParams
+from meshserve.configs import load_config
+from meshserve.configs.memory import plan_memory
+from meshserve.configs.validate import check_config
+from meshserve.engine.offline import generate
+from meshserve.launcher.env import RankEnv
+from meshserve.launcher.rank import run_in_world
+
+
+class CollectMode:
+    def __init__(self, prompts, params):
+        self.prompts, self.params, self.results = prompts, params, None
+
+    def prepare(self, config, tokenizer, info, memory) -> None:
+        pass
+
+    def run(self, engine) -> int:
+        completions = generate(engine, self.prompts, self.params)
+        self.results = [{"token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                         "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]}
+                        for c in completions]
+        self.stats = {"preemptions": engine.scheduler.num_preemptions, "steps": engine.stats.steps}
+        return 0
+
+
+def run_engine(groups, overrides: list[str], prompts: list[list[int]], params: list[SamplingParams]):
+    """On every rank of the harness's world; returns (results, stats) on the driver, None elsewhere."""
+    config = load_config(None, overrides)
+    info = check_config(config)
+    mode = CollectMode(prompts, params)
+    env = RankEnv(global_rank=groups.global_rank, world_size=groups.world_size, local_world_size=groups.world_size)
+    run_in_world(config, info, plan_memory(config, info), env, mode, groups)
+    return (mode.results, mode.stats) if groups.is_driver else None
