@@ -18,12 +18,33 @@ def local_num_kv_heads(num_key_value_heads: int, tp_size: int) -> int:
     return max(1, num_key_value_heads // tp_size)
 
 
-def layers_per_stage(num_layers: int, pp_size: int, explicit: list[int] | None = None) -> list[int]:
-    """The config's split, else an even one (the first stages take the remainder)."""
+def head_cost_in_layers(info: ModelInfo) -> float:
+    """The LM head's matmul weights over one decoder layer's: what the last stage computes
+    beyond its layers for every decoded token."""
+    per_layer = (info.num_parameters - info.vocab_size * info.hidden_size * (1 if info.tie_word_embeddings else 2)
+                 - info.hidden_size) / info.num_hidden_layers
+    return info.vocab_size * info.hidden_size / per_layer
+
+
+def layers_per_stage(num_layers: int, pp_size: int, explicit: list[int] | None = None,
+                     last_stage_extra: float = 0.0) -> list[int]:
+    """The config's split, else one that evens the decode cost of the stages: the last
+    stage, which also runs the LM head (`last_stage_extra` layers' worth), takes fewer
+    layers; the others split the rest evenly, the first ones taking the remainder."""
     if explicit:
         return list(explicit)
-    base, extra = divmod(num_layers, pp_size)
-    return [base + (1 if s < extra else 0) for s in range(pp_size)]
+    if pp_size == 1:
+        return [num_layers]
+    target = (num_layers + last_stage_extra) / pp_size
+    last = min(max(1, round(target - last_stage_extra)), num_layers - (pp_size - 1))
+    base, rem = divmod(num_layers - last, pp_size - 1)
+    return [base + (1 if s < rem else 0) for s in range(pp_size - 1)] + [last]
+
+
+def stage_layers(config: Config, info: ModelInfo) -> list[int]:
+    """Layers per pipeline stage for this config and model."""
+    return layers_per_stage(info.num_hidden_layers, config.parallel.pipeline, config.parallel.pipeline_layers,
+                            head_cost_in_layers(info))
 
 
 def stage_layer_range(counts: list[int], stage: int) -> tuple[int, int]:
@@ -62,13 +83,13 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     h, v = info.hidden_size, info.vocab_size
     embed = math.ceil(v / tp) * h
     per_layer = (info.num_parameters - v * h * (1 if info.tie_word_embeddings else 2) - h) / info.num_hidden_layers
-    stage_layers = max(layers_per_stage(info.num_hidden_layers, pp, config.parallel.pipeline_layers))
+    most_layers = max(stage_layers(config, info))
     # The first stage holds the embedding, the last the LM head (tied: loaded on both ends).
     ends = embed * (1 if (pp > 1 or info.tie_word_embeddings) else 2)
-    weight_bytes = int((stage_layers * per_layer / tp + ends + h) * nbytes)
+    weight_bytes = int((most_layers * per_layer / tp + ends + h) * nbytes)
 
     kv_heads = local_num_kv_heads(info.num_key_value_heads, tp)
-    kv_per_token = 2 * stage_layers * kv_heads * info.head_dim * nbytes
+    kv_per_token = 2 * most_layers * kv_heads * info.head_dim * nbytes
     block = config.cache.block_size
     num_blocks = config.cache.num_blocks or int(config.cache.memory) // (kv_per_token * block)
     max_len = resolved_max_model_len(config, info)

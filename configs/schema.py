@@ -34,7 +34,8 @@ class ParallelConfig(Section):
     pipeline: PositiveInt = 1
     context: PositiveInt = 1
     pipeline_layers: list[PositiveInt] | None = None
-    """Layers per pipeline stage, first to last (default: an even split)."""
+    """Layers per pipeline stage, first to last (default: even decode cost per stage; the last
+    stage, which also runs the LM head, takes fewer layers)."""
     micro_batches: PositiveInt | None = None
     """Micro-batches in flight through the pipeline (default: one per stage)."""
 

@@ -55,6 +55,7 @@ class DistributedExecutor:
 
     def rank_stats(self) -> dict[int, RankStats]:
         """Every rank's latest counters, the driver's own included."""
+        self.channel.drain()
         return {0: self.runner.rank_stats(time.monotonic() - self.started, 0), **self.channel.rank_stats}
 
     def submit(self, plan: StepPlan) -> StepResult | int:

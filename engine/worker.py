@@ -11,11 +11,11 @@ from meshserve.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 1.0
+STATS_INTERVAL_S = 0.2
 
 
 def worker_loop(runner: ModelRunner, channel: WorkerChannel) -> None:
-    """Runs until the driver publishes Shutdown; reports its counters about once a second."""
+    """Runs until the driver publishes Shutdown; reports its counters every STATS_INTERVAL_S."""
     started = last_report = time.monotonic()
     steps = 0
     while True:

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from meshserve.comm.control import DriverChannel, WorkerChannel, broadcast_text
-from meshserve.configs.memory import MemoryPlan, layers_per_stage
+from meshserve.configs.memory import MemoryPlan, stage_layers
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
 from meshserve.engine.engine import Engine
@@ -44,10 +44,6 @@ def shm_slot_bytes(config: Config, info: ModelInfo) -> int:
     hidden = config.scheduler.max_batched_tokens * info.hidden_size
     logits = config.scheduler.max_num_seqs * -(-info.vocab_size // config.parallel.tensor)
     return 4 * max(hidden, logits)
-
-
-def _layer_counts(config: Config, info: ModelInfo) -> list[int]:
-    return layers_per_stage(info.num_hidden_layers, config.parallel.pipeline, config.parallel.pipeline_layers)
 
 
 def _device(config: Config, env: RankEnv) -> str:
@@ -87,7 +83,7 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
         channel = DriverChannel(env.master_addr, groups.world_size)
         broadcast_text(channel.addresses, src=0)
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
-                         layer_counts=_layer_counts(config, info))
+                         layer_counts=stage_layers(config, info))
     if channel is None:
         executor = LocalExecutor(runner)
     else:
@@ -107,7 +103,7 @@ def _follow(config, info, memory, env, groups) -> None:
     signal.signal(signal.SIGTERM, lambda *_: log.info("rank %d: signal received; waiting for the driver", env.global_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = WorkerChannel(broadcast_text(None, src=0), env.global_rank)
-    runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=_layer_counts(config, info))
+    runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info))
     channel.handshake(HANDSHAKE_TIMEOUT_S)
     try:
         worker_loop(runner, channel)

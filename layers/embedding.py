@@ -11,6 +11,7 @@ from torch import nn
 
 from meshserve.comm.collectives import gather_from_tp, reduce_from_tp
 from meshserve.comm.groups import AxisGroup
+from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -60,8 +61,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp, dtype)
         if tied_to is not None:
             self.weight = tied_to.weight
+        self.packed: PackedCpuMatmul | None = None
+
+    def pack_weight(self) -> None:
+        """After loading: multiply by a packed copy where that is faster (the weight stays:
+        it may be the embedding's too)."""
+        if self.packed is None and packing_helps(self.weight):
+            self.packed = PackedCpuMatmul(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # (num_samples, hidden_size) -> (num_samples, vocab_size) on tp rank 0
-        logits = gather_from_tp(F.linear(hidden, self.weight), self.tp, dst=0)
+        local = F.linear(hidden, self.weight) if self.packed is None else self.packed(hidden)
+        logits = gather_from_tp(local, self.tp, dst=0)
         return None if logits is None else logits[:, : self.vocab_size]

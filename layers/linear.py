@@ -14,6 +14,7 @@ from torch import nn
 from meshserve.comm.collectives import reduce_from_tp
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs.memory import local_num_kv_heads
+from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -41,9 +42,21 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed: PackedCpuMatmul | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         raise NotImplementedError
+
+    def pack_weight(self) -> None:
+        """After loading: multiply by a packed copy where that is faster, and free the
+        stored weight (the packed copy replaces it)."""
+        if self.packed is None and packing_helps(self.weight):
+            self.packed = PackedCpuMatmul(self.weight)
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (no bias)."""
+        return F.linear(x, self.weight) if self.packed is None else self.packed(x)
 
 
 class ReplicatedLinear(LinearBase):
@@ -53,7 +66,8 @@ class ReplicatedLinear(LinearBase):
         _copy_into(param, loaded.load())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class ColumnParallelLinear(LinearBase):
@@ -73,7 +87,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (num_tokens, input_size) -> (num_tokens, local_output_size)
-        return F.linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -150,5 +165,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (num_tokens, local_input_size) -> (num_tokens, output_size)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        y = reduce_from_tp(self.matmul(x), self.tp)
         return y if self.bias is None else y + self.bias

@@ -40,4 +40,7 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
         model = LlamaForCausalLM(info, tp, dtype, layer_range=layer_range, is_first_stage=is_first_stage,
                                  is_last_stage=is_last_stage, max_position=max_position)
     load_weights(model, info, show_progress)
+    for module in model.modules():
+        if hasattr(module, "pack_weight"):
+            module.pack_weight()
     return model.eval()

@@ -3,7 +3,7 @@ and vs DeepSpeed AutoTP at tp=N on the same checkpoint and prompts, in one run.
 
 Default model: a random Llama with SmolLM2-135M's shape but 8 heads / 4 KV heads (so tp=2
 applies), made once with save_pretrained under results/. `--model smollm2 --tp 3` uses the
-real SmolLM2 GGUF at tp=3 instead (DeepSpeed then loads the same GGUF via transformers).
+real SmolLM2 GGUF at tp=3 instead (DeepSpeed loads the same GGUF through transformers).
 Prints tokens/s, the ratios, and meshserve's per-step time split (compute, TP
 collectives, control plane, host work); writes JSON.
 
@@ -24,11 +24,8 @@ from pathlib import Path
 
 import torch
 
-from meshserve.comm.messages import SamplingParams
-from meshserve.configs import load_config
-from meshserve.configs.memory import plan_memory
+from bench_common import DriverMode, add_batch, random_prompts, rank_entry, run_configuration
 from meshserve.configs.model_info import resolve_model_path
-from meshserve.configs.validate import check_config
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,28 +55,20 @@ def overrides(args, tp: int, threads: int) -> list[str]:
             f"scheduler.max_batched_tokens={top * args.prompt_len}", f"cache.num_blocks={top * (seq // 16 + 1)}"]
 
 
-class BenchMode:
+class BenchMode(DriverMode):
     """The driver's part: run each batch size `repeats` times; record tokens/s and the time split."""
 
-    def __init__(self, args):
-        self.args = args
-
-    def prepare(self, config, tokenizer, info, memory) -> None:
-        pass
-
-    def run(self, engine) -> int:
+    def measure(self, engine):
         a = self.args
         runner = engine.executor.runner
         rows = []
         for batch in a.batch_sizes:
-            prompts = torch.randint(1000, 40000, (batch, a.prompt_len), generator=torch.Generator().manual_seed(0))
-            params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
+            prompts = random_prompts(batch, a.prompt_len)
             times, split = [], None
             for _ in range(a.repeats):
                 before = self._counters(engine, runner)
                 start = time.perf_counter()
-                for i, p in enumerate(prompts.tolist()):
-                    engine.add_request(i, str(i), p, params)
+                add_batch(engine, prompts, a.output_len)
                 while engine.has_work():
                     engine.step()
                 times.append(time.perf_counter() - start)
@@ -89,8 +78,7 @@ class BenchMode:
             per_step = {k: 1000 * v / steps for k, v in split.items()}
             rows.append({"batch": batch, "tok_s": batch * a.output_len / statistics.median(times), "seconds": times,
                          "steps": steps, "per_step_ms": per_step})
-        Path(a.result).write_text(json.dumps(rows))
-        return 0
+        return rows
 
     @staticmethod
     def _counters(engine, runner) -> dict[str, float]:
@@ -106,19 +94,13 @@ class BenchMode:
 
 
 def run_meshserve(args, tp: int, threads: int) -> list[dict]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        cmd = [sys.executable, str(HERE / "bench_tp.py"), "--rank-of", str(tp), "--threads-of", str(threads),
-               "--result", result.name, "--model-path", str(args.model_path), "--dtype", args.dtype,
-               "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-               "--repeats", str(args.repeats), "--batch-sizes", *map(str, args.batch_sizes)]
-        subprocess.run(cmd, check=True)
-        return json.loads(Path(result.name).read_text())
+    extra = ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+             "--repeats", str(args.repeats), "--batch-sizes", *map(str, args.batch_sizes)]
+    return run_configuration(HERE / "bench_tp.py", overrides(args, tp, threads), extra)
 
 
 def run_deepspeed(args, tp: int) -> list[dict]:
     model = Path(args.model_path)
-    if model.is_file():
-        raise SystemExit("the DeepSpeed peer needs a Hugging Face directory; use the default model or --no-deepspeed")
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         env = dict(os.environ, LOCAL_SIZE=str(tp), OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
@@ -127,20 +109,6 @@ def run_deepspeed(args, tp: int) -> list[dict]:
                "--repeats", str(args.repeats), "--output", result.name, "--batch-sizes", *map(str, args.batch_sizes)]
         subprocess.run(cmd, check=True, env=env)
         return json.loads(Path(result.name).read_text())["rows"]
-
-
-def as_rank(args) -> int:
-    """One rank (spawned below through meshserve's launcher) or, with --rank-of, the spawner."""
-    from meshserve.launcher.env import rank_env_from_environ
-    from meshserve.launcher.rank import run_rank
-    from meshserve.launcher.spawn import spawn_local_ranks
-
-    config = load_config(None, overrides(args, args.rank_of, args.threads_of))
-    info = check_config(config)
-    memory = plan_memory(config, info)
-    if not args.as_rank:
-        return spawn_local_ranks(config, [str(HERE / "bench_tp.py"), *sys.argv[1:], "--as-rank"], shutdown_timeout=30)
-    return run_rank(config, info, memory, rank_env_from_environ(), BenchMode(args))
 
 
 def main() -> None:
@@ -154,19 +122,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--output", default="results/bench_tp.json")
-    # internal: one meshserve configuration, run through the launcher
-    ap.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--threads-of", type=int, help=argparse.SUPPRESS)
+    # internal: one meshserve configuration (its config overrides as JSON), run through the launcher
+    ap.add_argument("--rank-of", help=argparse.SUPPRESS)
     ap.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--model-path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_of:
-        sys.exit(as_rank(args))
+        sys.exit(rank_entry(HERE / "bench_tp.py", sys.argv[1:], json.loads(args.rank_of), args.as_rank,
+                            BenchMode(args)))
 
     if args.model == "smollm2":
         args.model_path = resolve_model_path("builtin:smollm2-135m-instruct")
-        args.no_deepspeed = True if args.no_deepspeed else args.no_deepspeed
     else:
         args.model_path = make_tp_checkpoint(Path("results") / "bench-tp-model")
     cores = len(os.sched_getaffinity(0))

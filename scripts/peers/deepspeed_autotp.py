@@ -11,6 +11,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -34,7 +35,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).eval()
+    path = Path(args.model)
+    if path.is_file():  # a GGUF: transformers dequantizes it
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=DTYPES[args.dtype])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[args.dtype])
+    model = model.eval()
     model = deepspeed.init_inference(model, tensor_parallel={"tp_size": world}, dtype=DTYPES[args.dtype],
                                      replace_with_kernel_inject=False).module
     rows = []
