@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections import deque
 
 import msgspec
 import torch
@@ -66,6 +67,7 @@ class DriverChannel:
         self._encoder, self._decoder = encoder(), rank_decoder()
         self.rank_stats: dict[int, RankStats] = {}
         """The latest counters of each other rank."""
+        self._results: deque[StepResult] = deque()
 
     def handshake(self, timeout: float) -> None:
         waiting = set(range(1, self.world_size))
@@ -85,24 +87,23 @@ class DriverChannel:
         self._pub.send(self._encoder.encode(msg))
 
     def recv_result(self, timeout: float) -> StepResult:
-        while True:
+        while not self._results:
             if not self._pull.poll(int(timeout * 1000)):
                 raise ControlPlaneError(f"no step result from the sampling rank within {timeout:.0f} s")
-            msg = self._decode(self._pull.recv())
-            if isinstance(msg, StepResult):
-                return msg
-            self._note(msg)
+            self._take(self._pull.recv())
+        return self._results.popleft()
 
     def drain(self) -> None:
-        """Take in whatever the ranks sent besides results (their stats), without waiting."""
+        """Take in whatever the ranks have sent, without waiting (results are kept for
+        recv_result; stats update rank_stats)."""
         while self._pull.poll(0):
-            msg = self._decode(self._pull.recv())
-            if isinstance(msg, StepResult):
-                raise ControlPlaneError(f"an unexpected step result (step {msg.step_id}) from a rank")
-            self._note(msg)
+            self._take(self._pull.recv())
 
-    def _note(self, msg) -> None:
-        if isinstance(msg, RankStats):
+    def _take(self, frame: bytes) -> None:
+        msg = self._decode(frame)
+        if isinstance(msg, StepResult):
+            self._results.append(msg)
+        elif isinstance(msg, RankStats):
             self.rank_stats[msg.rank] = msg
 
     def _decode(self, frame: bytes):
