@@ -76,6 +76,12 @@ class MemoryPlan:
         return asdict(self) | {"kv_cache_bytes": self.kv_cache_bytes, "kv_cache_tokens": self.kv_cache_tokens}
 
 
+def _share(max_len: int, need: int, cp: int) -> str:
+    if cp == 1:
+        return f"model.max_model_len={max_len}"
+    return f"the {need} one rank holds of a model.max_model_len={max_len} sequence at parallel.context={cp}"
+
+
 def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default>") -> MemoryPlan:
     tp, pp = config.parallel.tensor, config.parallel.pipeline
     dtype = config.torch_dtype_name
@@ -93,15 +99,18 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     block = config.cache.block_size
     num_blocks = config.cache.num_blocks or int(config.cache.memory) // (kv_per_token * block)
     max_len = resolved_max_model_len(config, info)
-    if num_blocks * block < max_len and config.cache.num_blocks:
+    cp = config.parallel.context
+    # A rank holds 1/cp of a sequence, give or take the uneven ends of prefill chunks.
+    need = max_len if cp == 1 else -(-max_len // cp) + max(2 * cp, max_len // 64)
+    if num_blocks * block < need and config.cache.num_blocks:
         raise ConfigError(
             f"{source}: cache.num_blocks={num_blocks} x cache.block_size={block} = {num_blocks * block} tokens per rank, "
-            f"fewer than model.max_model_len={max_len}; set cache.num_blocks >= {-(-max_len // block)} "
+            f"fewer than {_share(max_len, need, cp)}; set cache.num_blocks >= {-(-need // block)} "
             f"or lower model.max_model_len")
-    if num_blocks * block < max_len:
+    if num_blocks * block < need:
         raise ConfigError(
             f"{source}: the KV cache holds {num_blocks} blocks x {block} tokens = {num_blocks * block} tokens per rank, "
-            f"fewer than model.max_model_len={max_len}; raise cache.memory (now {int(config.cache.memory)} bytes, "
+            f"fewer than {_share(max_len, need, cp)}; raise cache.memory (now {int(config.cache.memory)} bytes, "
             f"{kv_per_token} bytes per token) or lower model.max_model_len"
         )
     return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len)

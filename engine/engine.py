@@ -49,16 +49,17 @@ class InFlight:
 
 class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
-                 vocab_size: int, micro_batches: int = 1):
+                 vocab_size: int, micro_batches: int = 1, cp_size: int = 1):
         """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
-        takes its share of the sequences, and no sequence is in two at once."""
+        takes its share of the sequences, and no sequence is in two at once. `cp_size`:
+        ranks a sequence's tokens are split over (context parallelism)."""
         self.executor = executor
         self.micro_batches = micro_batches
         self._in_flight: deque[InFlight] = deque()
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.memory = memory
-        self.scheduler = Scheduler(BlockManager(memory.num_blocks, memory.block_size),
+        self.scheduler = Scheduler(BlockManager(memory.num_blocks, memory.block_size, cp_size),
                                    scheduler.max_num_seqs, scheduler.max_batched_tokens)
         self.plans = PlanBuilder()
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, memory.max_model_len)
@@ -79,7 +80,8 @@ class Engine:
         """Queue a validated request. `key` is unique among live requests."""
         if key in self.requests:
             raise RequestError("duplicate_id", f"request_id {request_id!r} is already running")
-        seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params)
+        seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params,
+                       cp_local_lens=[0] * self.scheduler.blocks.cp_size)
         self._next_seq_id += 1
         state = RequestState(seq, request_id, stream, self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens))
         self.requests[key] = state

@@ -7,7 +7,7 @@ and block tables as the driver without asking it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import time
 from collections import deque
@@ -19,6 +19,8 @@ from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepRes
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.attention import build_attention_metadata
+from meshserve.layers.context_attention import CPSeqStep, build_cp_metadata
+from meshserve.parallel.context import advance, chunk_owners, is_split
 from meshserve.layers.loader import build_model
 from meshserve.layers.sampler import Sampler, SamplingRow
 from meshserve.parallel.topology import Groups
@@ -35,6 +37,10 @@ class RankSeq:
     block_ids: list[int]
     num_computed: int
     params: SamplingParams
+    local_lens: list[int]
+    """Context parallelism: tokens each rank of the group holds."""
+    local_positions: list[int] = field(default_factory=list)
+    """Context parallelism: positions of the tokens this rank holds, ascending."""
 
 
 @dataclass
@@ -51,9 +57,8 @@ class RunnerStats:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
+    meta: object
+    """AttentionMetadata, or ContextParallelMetadata with a context-parallel group."""
     sample_rows: list[int]
     """Rows of the flat batch whose hidden state is sampled (last token of a finished chunk)."""
     sample_seq_ids: list[int]
@@ -77,7 +82,7 @@ class ModelRunner:
         self.model = build_model(info, groups.tp, self.dtype, device=self.device, max_position=memory.max_model_len,
                                  layer_range=stage_layer_range(counts, groups.pp.rank),
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
-                                 show_progress=show_progress)
+                                 show_progress=show_progress, cp=groups.cp)
         self._pending_sends: deque = deque()
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -100,29 +105,71 @@ class ModelRunner:
             seq.block_ids.extend(d.new_block_ids)
             batch.append((d.seq_id, seq, d.num_new))
         for n in plan.new:
-            seq = RankSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
+            if n.num_computed and self.groups.cp.size > 1:
+                raise ValueError(f"seq {n.seq_id}: a cached prefix with context parallelism is not supported")
+            seq = RankSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params,
+                          [0] * self.groups.cp.size)
             self.seqs[n.seq_id] = seq
             batch.append((n.seq_id, seq, n.num_new))
         return batch
 
     def prepare(self, batch: list[tuple[int, RankSeq, int]]) -> StepInputs:
+        """This rank's flat batch: every new token (one rank per context), or with context
+        parallelism this rank's share of the long chunks and all of the short ones."""
+        if self.groups.cp.size > 1:
+            return self._prepare_cp(batch)
         ids: list[int] = []
         positions: list[int] = []
-        inputs = StepInputs(None, None, [], [], [], [], [], [])  # type: ignore[arg-type]
+        query_lens, seq_lens, block_tables = [], [], []
+        inputs = StepInputs(None, None, None, [], [], [])  # type: ignore[arg-type]
         for seq_id, seq, n in batch:
             start, end = seq.num_computed, seq.num_computed + n
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            inputs.query_lens.append(n)
-            inputs.seq_lens.append(end)
-            inputs.block_tables.append(seq.block_ids)
+            query_lens.append(n)
+            seq_lens.append(end)
+            block_tables.append(seq.block_ids)
             if end == len(seq.token_ids):
-                inputs.sample_rows.append(len(ids) - 1)
-                inputs.sample_seq_ids.append(seq_id)
-                inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids), seq.prompt_len))
+                self._add_sample(inputs, len(ids) - 1, seq_id, seq)
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        inputs.meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.memory.block_size, self.device)
         return inputs
+
+    def _prepare_cp(self, batch: list[tuple[int, RankSeq, int]]) -> StepInputs:
+        cp = self.groups.cp
+        ids: list[int] = []
+        positions: list[int] = []
+        steps: list[CPSeqStep] = []
+        inputs = StepInputs(None, None, None, [], [], [])  # type: ignore[arg-type]
+        for seq_id, seq, n in batch:
+            start = seq.num_computed
+            owners = chunk_owners(seq.local_lens, n)
+            split = is_split(n, cp.size)
+            mine = [start + i for i, o in enumerate(owners) if o == cp.rank]
+            queries = mine if split else list(range(start, start + n))
+            row0 = len(ids)
+            ids.extend(seq.token_ids[p] for p in queries)
+            positions.extend(queries)
+            held = seq.local_lens[cp.rank]
+            stored_rows = list(range(row0, row0 + len(mine))) if split else [row0 + p - start for p in mine]
+            seq.local_positions.extend(mine)
+            seq.local_lens = advance(seq.local_lens, owners)
+            steps.append(CPSeqStep(row0, queries, split, seq.block_ids, seq.local_positions, seq.local_lens,
+                                   stored_rows, list(range(held, held + len(mine)))))
+            # the last token of a split chunk is in the last segment, which is cp rank 0's
+            if start + n == len(seq.token_ids) and cp.rank == 0:
+                self._add_sample(inputs, len(ids) - 1, seq_id, seq)
+        inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        inputs.meta = build_cp_metadata(steps, cp.rank, self.memory.block_size, self.dtype, self.device)
+        return inputs
+
+    @staticmethod
+    def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: RankSeq) -> None:
+        inputs.sample_rows.append(row)
+        inputs.sample_seq_ids.append(seq_id)
+        inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids), seq.prompt_len))
 
     def busy_seconds(self) -> float:
         """Time computing this rank's shard: the forward and sampling, less the waits for
@@ -147,15 +194,13 @@ class ModelRunner:
         if not batch:
             return StepResult(plan.step_id, [], []) if self.sampler else None
         inputs = self.prepare(batch)
-        meta = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
-                                        self.memory.block_size, self.device)
         prepared = time.perf_counter()
         pp = self.groups.pp
         received = None
         if not pp.is_first:  # (num_tokens, hidden_size): the previous stage's hidden + residual
             received = recv_from_prev_stage((len(inputs.input_ids), self.info.hidden_size), self.dtype,
                                             self.device, pp)
-        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden=received)
+        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden=received)
         for _, seq, n in batch:
             seq.num_computed += n
         if not pp.is_last:

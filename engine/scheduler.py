@@ -102,7 +102,6 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
-        seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -115,7 +114,7 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
-            seq.num_computed += n
+            self.blocks.computed(seq, n)
             if seq.num_computed == seq.num_tokens:
                 seq.token_ids.append(sampled[seq.seq_id])
                 grown.append(seq)

@@ -90,7 +90,7 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
         channel.handshake(HANDSHAKE_TIMEOUT_S)
         executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S)
     engine = Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
-                    micro_batches=config.parallel.num_micro_batches)
+                    micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context)
     try:
         return mode.run(engine)
     finally:

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshserve.comm.groups import AxisGroup
+from meshserve.layers.context_attention import ContextParallelMetadata, cp_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -91,16 +94,21 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
 
 
 class PagedAttention(nn.Module):
-    """softmax(q k^T * scale) v over each sequence's cached keys and values, with GQA."""
+    """softmax(q k^T * scale) v over each sequence's cached keys and values, with GQA.
+    With a context-parallel group of several ranks, the step's metadata is a
+    ContextParallelMetadata and the ranks exchange K/V blocks and partial outputs over `cp`."""
 
-    def __init__(self, local_num_heads: int, local_num_kv_heads: int, head_dim: int):
+    def __init__(self, local_num_heads: int, local_num_kv_heads: int, head_dim: int, cp: AxisGroup | None = None):
         super().__init__()
         self.local_num_heads, self.local_num_kv_heads, self.head_dim = local_num_heads, local_num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.cp = cp
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
         # q: (num_tokens, local_num_heads, head_dim); k, v: (num_tokens, local_num_kv_heads, head_dim)
+        if isinstance(meta, ContextParallelMetadata):
+            return cp_attention(q, k, v, kv_cache, meta, self.cp, self.scale)
         k_cache, v_cache = kv_cache
         k_cache.view(-1, self.local_num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.local_num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)

@@ -35,9 +35,10 @@ STACKED_PARAMS = (
 
 
 class LlamaAttention(nn.Module):
-    """One all-reduce: in o_proj (row-parallel)."""
+    """One all-reduce: in o_proj (row-parallel). With context parallelism, K/V blocks and
+    partial outputs also move over `cp`."""
 
-    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, cp: AxisGroup | None = None):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(info.hidden_size, info.head_dim, info.num_attention_heads,
                                           info.num_key_value_heads, tp, bias=info.attention_bias, dtype=dtype)
@@ -45,7 +46,7 @@ class LlamaAttention(nn.Module):
         self.local_num_heads = self.qkv_proj.local_num_heads
         self.local_num_kv_heads = self.qkv_proj.local_num_kv_heads
         self.head_dim = info.head_dim
-        self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim)
+        self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim, cp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -72,10 +73,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, cp: AxisGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(info, tp, dtype)
+        self.self_attn = LlamaAttention(info, tp, dtype, cp)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(info, tp, dtype)
 
@@ -91,12 +92,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, layer_range: tuple[int, int],
-                 has_embedding: bool, has_head: bool, max_position: int):
+                 has_embedding: bool, has_head: bool, max_position: int, cp: AxisGroup | None = None):
         super().__init__()
         self.layer_start, self.layer_end = layer_range
         self.embed_tokens = VocabParallelEmbedding(info.vocab_size, info.hidden_size, tp, dtype) if has_embedding else None
         self.rotary = RotaryEmbedding(info.head_dim, max_position, info.rope_theta, info.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, dtype) for _ in range(*layer_range))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, dtype, cp) for _ in range(*layer_range))
         self.dtype = dtype
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype) if has_head else None
 
@@ -116,12 +117,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, *, layer_range: tuple[int, int] | None = None,
-                 is_first_stage: bool = True, is_last_stage: bool = True, max_position: int | None = None):
+                 is_first_stage: bool = True, is_last_stage: bool = True, max_position: int | None = None,
+                 cp: AxisGroup | None = None):
         super().__init__()
         self.info = info
         layer_range = layer_range or (0, info.num_hidden_layers)
         self.model = LlamaModel(info, tp, dtype, layer_range, is_first_stage, is_last_stage,
-                                max_position or info.max_position_embeddings)
+                                max_position or info.max_position_embeddings, cp)
         self.lm_head = None
         if is_last_stage:
             tied = self.model.embed_tokens if info.tie_word_embeddings else None

@@ -35,10 +35,10 @@ def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool =
 
 def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device | str = "cpu",
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
-                max_position: int | None = None, show_progress: bool = False) -> LlamaForCausalLM:
+                max_position: int | None = None, show_progress: bool = False, cp=None) -> LlamaForCausalLM:
     with torch.device(device):
         model = LlamaForCausalLM(info, tp, dtype, layer_range=layer_range, is_first_stage=is_first_stage,
-                                 is_last_stage=is_last_stage, max_position=max_position)
+                                 is_last_stage=is_last_stage, max_position=max_position, cp=cp)
     load_weights(model, info, show_progress)
     for module in model.modules():
         if hasattr(module, "pack_weight"):

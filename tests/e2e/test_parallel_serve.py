@@ -88,3 +88,31 @@ def test_tp_not_dividing_heads_fails_before_any_rank_starts():
     assert "parallel.tensor=2 does not divide num_attention_heads=9 (try 1 or 3)" in out.stderr
     assert "elastic" not in out.stderr and "rank" not in out.stderr.replace("parallel.tensor", "")
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_smollm2_cp2_long_prompt_matches_cp1(tmp_path, smollm2):
+    """A prompt of over 2,000 tokens, prefilled as one ring-attention step over two ranks,
+    then decoded over the sharded cache: the same greedy text as one rank."""
+    from support.checkpoints import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    story = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} marbles." for i in range(150))
+    prompt = tok.encode(story + " Question: which color is item 149's box? Answer:")
+    assert len(prompt) >= 2000
+    outputs = []
+    for context in (1, 2):
+        address = f"tcp://127.0.0.1:{free_port()}"
+        server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq={address}",
+                                   "--set", f"parallel.context={context}", "--set", "model.max_model_len=4096",
+                                   "--set", "scheduler.max_batched_tokens=4096", "--set", "cache.memory=512MiB"],
+                                  tmp_path, name=f"cp{context}")
+        try:
+            server.wait_ready()
+            with Client(address, timeout=300) as client:
+                outputs.append(client.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True))
+            assert server.stop() == 0, server.tail()
+        finally:
+            server.kill()
+    assert outputs[0].token_ids == outputs[1].token_ids
+    assert outputs[0].text == outputs[1].text and len(outputs[0].token_ids) == 12
