@@ -14,6 +14,9 @@ class CommTimer:
 
     seconds: float = 0.0
     calls: int = 0
+    exposed_seconds: float = 0.0
+    """Ring transfers: time spent waiting for data after its transfer had begun and the
+    compute meant to hide it had ended (waiting for a late peer is not counted)."""
 
     def start(self) -> float:
         return time.perf_counter()

@@ -204,6 +204,16 @@ class RankStats(Struct, frozen=True, tag="stats"):
     wall_seconds: float
     """Time since the rank started following plans."""
     steps: int
+    rss_bytes: int = 0
+    """Resident memory now."""
+    peak_rss_bytes: int = 0
+    """Highest resident memory so far."""
+    ready_rss_bytes: int = 0
+    """Resident memory once the model and the KV cache were in place."""
+    cp_wait_seconds: float = 0.0
+    """Context parallelism: time waiting for K/V blocks (a late peer included)."""
+    cp_exposed_seconds: float = 0.0
+    """Context parallelism: the part of those waits spent on transfers compute did not hide."""
 
 
 RankMessage = Union[StepResult, Ready, RankStats]

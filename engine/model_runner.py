@@ -28,6 +28,20 @@ from meshserve.parallel.topology import Groups
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resident_memory() -> tuple[int, int]:
+    """(resident bytes now, highest so far) of this process, from /proc (0, 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return 0, 0
+
+    def size(key: str) -> int:
+        return int(fields.get(key, "0 kB").split()[0]) * 1024
+
+    return size("VmRSS"), size("VmHWM")
+
+
 @dataclass
 class RankSeq:
     """A rank's copy of one sequence."""
@@ -93,6 +107,7 @@ class ModelRunner:
         self.sampler = Sampler(info.eos_token_ids, sampler_seed) if groups.is_sampler else None
         self.seqs: dict[int, RankSeq] = {}
         self.stats = RunnerStats()
+        self.ready_rss_bytes = resident_memory()[0]
 
     def apply_plan(self, plan: StepPlan) -> list[tuple[int, RankSeq, int]]:
         """Update the mirror; returns the batch as (seq_id, seq, num_new) in batch order."""
@@ -177,7 +192,9 @@ class ModelRunner:
         return self.stats.forward_seconds + self.stats.sample_seconds - self.groups.pp.timer.seconds
 
     def rank_stats(self, wall_seconds: float, steps: int) -> RankStats:
-        return RankStats(self.groups.global_rank, self.busy_seconds(), wall_seconds, steps)
+        rss, peak = resident_memory()
+        return RankStats(self.groups.global_rank, self.busy_seconds(), wall_seconds, steps, rss, peak,
+                         self.ready_rss_bytes, self.groups.cp.timer.seconds, self.groups.cp.timer.exposed_seconds)
 
     def _send(self, x: torch.Tensor) -> None:
         self._pending_sends.append((x, send_to_next_stage(x, self.groups.pp)))

@@ -14,6 +14,7 @@ every key. `merge_over_cp` combines partial outputs of replicated queries (decod
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_right
 
 import torch
@@ -100,17 +101,23 @@ def ring_attention(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: torch.
             n = peer_lens[(cp.rank - step - 1) % cp.size]
             incoming = (k.new_empty((n, *k.shape[1:])), v.new_empty((n, *v.shape[1:])),
                         torch.empty(n, dtype=torch.long, device=k.device))
-            ops = [dist.P2POp(dist.isend, t.contiguous(), cp.next_rank, cp.device_group) for t in block]
-            ops += [dist.P2POp(dist.irecv, t, cp.prev_rank, cp.device_group) for t in incoming]
+            # the time this rank posts, so the receiver can tell a slow transfer from a late sender
+            posted = torch.tensor([time.monotonic_ns()], dtype=torch.long)
+            peer_posted = torch.empty(1, dtype=torch.long)
+            ops = [dist.P2POp(dist.isend, t.contiguous(), cp.next_rank, cp.device_group) for t in (*block, posted)]
+            ops += [dist.P2POp(dist.irecv, t, cp.prev_rank, cp.device_group) for t in (*incoming, peer_posted)]
             works = dist.batch_isend_irecv(ops)
         if len(block[2]):
             o, l = attend(q, q_pos, block[0], block[1], block[2].tolist(), scale)
             out, lse = merge(out, lse, o, l)
         if works:
-            started = cp.timer.start()  # exposed communication: what compute did not hide
+            computed = time.monotonic_ns()
+            started = cp.timer.start()
             for w in works:
                 w.wait()
             cp.timer.stop(started)
+            transfer_began = max(int(posted), int(peer_posted))
+            cp.timer.exposed_seconds += max(0, time.monotonic_ns() - max(computed, transfer_began)) / 1e9
             block = incoming
     return out, lse
 
