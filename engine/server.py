@@ -1,5 +1,5 @@
-"""The driver's busy loop: drain the frontend's commands, then step (vLLM's engine core
-loop). Runs on the main thread; the frontend's I/O thread owns the sockets."""
+"""The driver's busy loop: drain the frontends' commands, then step (vLLM's engine core
+loop). Runs on the main thread; each frontend's own thread owns its sockets."""
 
 from __future__ import annotations
 
@@ -10,27 +10,34 @@ import time
 
 from meshserve.comm.messages import ErrorReply
 from meshserve.engine.engine import Engine
-from meshserve.engine.frontend import AbortCommand, AddCommand, Command, Frontend
+from meshserve.engine.commands import AbortCommand, AddCommand, Command, Frontend, Inbox
 from meshserve.engine.validation import RequestError
 
 log = logging.getLogger(__name__)
 
 
 class Server:
-    def __init__(self, engine: Engine, frontend: Frontend, max_waiting: int):
-        self.engine, self.frontend, self.max_waiting = engine, frontend, max_waiting
+    def __init__(self, engine: Engine, inbox: Inbox, frontends: list[Frontend], max_waiting: int):
+        self.engine, self.inbox, self.max_waiting = engine, inbox, max_waiting
+        self.frontends = {f.tag: f for f in frontends}
         self.stop_requested = threading.Event()
+
+    def send(self, key, message) -> None:
+        self.frontends[key[0]].send(key, message)
 
     def run(self, drain_timeout: float = 30.0) -> None:
         """Serve until stop_requested; then refuse new requests, let running ones finish
         for up to `drain_timeout` seconds, abort the rest, and return."""
-        self.frontend.start()
+        for frontend in self.frontends.values():
+            frontend.start()
         deadline = None
         while True:
-            if self.frontend.error is not None:
-                raise RuntimeError("the frontend I/O thread died") from self.frontend.error
+            for frontend in self.frontends.values():
+                if frontend.error is not None:
+                    raise RuntimeError(f"the {frontend.tag} frontend died") from frontend.error
             if self.stop_requested.is_set() and deadline is None:
-                self.frontend.accepting = False
+                for frontend in self.frontends.values():
+                    frontend.accepting = False
                 deadline = time.monotonic() + drain_timeout
                 log.info("draining %d requests", self.engine.num_requests)
             if deadline is not None and (not self.engine.has_work() or time.monotonic() > deadline):
@@ -39,19 +46,19 @@ class Server:
                 self._handle(cmd)
             if self.engine.has_work():
                 for key, delta in self.engine.step():
-                    self.frontend.send(key, delta)
+                    self.send(key, delta)
         for key in list(self.engine.requests):
             delta = self.engine.abort(key)
             if delta is not None:
-                self.frontend.send(key, delta)
+                self.send(key, delta)
 
     def _commands(self, block: bool) -> list[Command]:
         cmds = []
         try:
             if block:
-                cmds.append(self.frontend.inbox.get(timeout=0.05))
+                cmds.append(self.inbox.get(timeout=0.05))
             while True:
-                cmds.append(self.frontend.inbox.get_nowait())
+                cmds.append(self.inbox.get_nowait())
         except queue.Empty:
             pass
         return cmds
@@ -60,7 +67,7 @@ class Server:
         if isinstance(cmd, AbortCommand):
             delta = self.engine.abort(cmd.key)
             if delta is not None:
-                self.frontend.send(cmd.key, delta)
+                self.send(cmd.key, delta)
         else:
             self._add(cmd)
 
@@ -71,4 +78,4 @@ class Server:
                                                  f"(scheduler.max_waiting={self.max_waiting}); retry later")
             self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream)
         except RequestError as e:
-            self.frontend.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))
+            self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))

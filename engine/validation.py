@@ -37,3 +37,18 @@ def prompt_source(req: GenerateRequest) -> str | list[int]:
     if (req.prompt is None) == (req.prompt_token_ids is None):
         raise RequestError("bad_request", "give exactly one of prompt and prompt_token_ids")
     return req.prompt if req.prompt is not None else list(req.prompt_token_ids)
+
+
+def admit(req: GenerateRequest, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """Validate a request and tokenize its prompt (in a frontend's thread); returns the prompt ids."""
+    source = prompt_source(req)
+    check_params(req.params, vocab_size)
+    if isinstance(source, str):
+        if len(source) > 64 * max_model_len:
+            raise RequestError("too_long", f"the prompt has {len(source)} characters, far more than "
+                                           f"the model's maximum context of {max_model_len} tokens")
+        ids = tokenizer.encode(source)
+    else:
+        ids = source
+    check_prompt(ids, req.params, vocab_size, max_model_len)
+    return ids

@@ -10,8 +10,9 @@ from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
 from meshserve.engine.engine import Engine
-from meshserve.engine.frontend import Frontend
+from meshserve.engine.commands import Inbox
 from meshserve.engine.server import Server
+from meshserve.engine.zmq_frontend import ZmqFrontend
 from meshserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("meshserve")
@@ -25,15 +26,16 @@ def ready_line(zmq_address: str, http_address: str | None, config: Config) -> st
 class ServeMode:
     def __init__(self, drain_timeout: float = 30.0):
         self.drain_timeout = drain_timeout
-        self.frontend: Frontend | None = None
+        self.inbox = Inbox()
+        self.frontend: ZmqFrontend | None = None
         self.config: Config | None = None
 
     def prepare(self, config: Config, tokenizer: Tokenizer, info: ModelInfo, memory: MemoryPlan) -> None:
         self.config = config
-        self.frontend = Frontend(config.server.zmq, tokenizer, info.vocab_size, memory.max_model_len)
+        self.frontend = ZmqFrontend(config.server.zmq, self.inbox, tokenizer, info.vocab_size, memory.max_model_len)
 
     def run(self, engine: Engine) -> int:
-        server = Server(engine, self.frontend, self.config.scheduler.max_waiting)
+        server = Server(engine, self.inbox, [self.frontend], self.config.scheduler.max_waiting)
 
         def on_signal(signum, frame):
             if server.stop_requested.is_set():

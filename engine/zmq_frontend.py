@@ -1,4 +1,4 @@
-"""The client-facing ZMQ ROUTER socket, owned by one I/O thread.
+"""The client-facing ZMQ ROUTER socket (the "zmq" frontend), owned by one I/O thread.
 
 The I/O thread decodes and validates each frame, tokenizes prompts, and hands typed
 commands to the step loop through a queue. Replies go the other way through an inproc
@@ -9,18 +9,16 @@ an ErrorReply for that frame alone; nothing else is affected.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from dataclasses import dataclass
 from typing import Hashable
 
 import msgspec
 import zmq
 
-from meshserve.comm.messages import (AbortRequest, ErrorCode, ErrorReply, GenerateRequest, SamplingParams,
-                                     client_decoder, encoder)
+from meshserve.comm.messages import AbortRequest, ErrorCode, ErrorReply, GenerateRequest, client_decoder, encoder
+from meshserve.engine.commands import AbortCommand, AddCommand, Inbox
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.validation import RequestError, check_params, check_prompt, prompt_source
+from meshserve.engine.validation import RequestError, admit
 
 log = logging.getLogger(__name__)
 
@@ -30,28 +28,13 @@ MAX_FRAME_BYTES = 256 << 20
 """ZeroMQ drops a connection that sends a frame larger than this (no reply is possible)."""
 
 
-@dataclass(frozen=True)
-class AddCommand:
-    key: Hashable
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool
+class ZmqFrontend:
+    tag = "zmq"
 
-
-@dataclass(frozen=True)
-class AbortCommand:
-    key: Hashable
-
-
-Command = AddCommand | AbortCommand
-
-
-class Frontend:
-    def __init__(self, address: str, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
         self.address = address
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.inbox: queue.Queue[Command] = queue.Queue()
+        self.inbox = inbox
         self.accepting = True
         self._ctx = zmq.Context()
         self._encoder = encoder()
@@ -80,7 +63,7 @@ class Frontend:
 
     def send(self, key: Hashable, message: msgspec.Struct) -> None:
         """Queue a reply to the client behind `key` (called from the step loop)."""
-        identity = key[0]
+        identity = key[1]
         self._push.send_multipart([identity, self._encoder.encode(message)])
 
     def close(self) -> None:
@@ -151,7 +134,7 @@ class Frontend:
             self._reply_error(identity, _guess_request_id(frames[1]), "bad_request", f"malformed message: {e}")
             return
         if isinstance(msg, AbortRequest):
-            self.inbox.put(AbortCommand((identity, msg.request_id)))
+            self.inbox.put(AbortCommand((self.tag, identity, msg.request_id)))
             return
         try:
             self.inbox.put(self._admit(identity, msg))
@@ -164,17 +147,8 @@ class Frontend:
     def _admit(self, identity: bytes, req: GenerateRequest) -> AddCommand:
         if not self.accepting:
             raise RequestError("unavailable", "the server is shutting down and accepts no new requests")
-        source = prompt_source(req)
-        check_params(req.params, self.vocab_size)
-        if isinstance(source, str):
-            if len(source) > 64 * self.max_model_len:
-                raise RequestError("too_long", f"the prompt has {len(source)} characters, far more than "
-                                               f"the model's maximum context of {self.max_model_len} tokens")
-            ids = self.tokenizer.encode(source)
-        else:
-            ids = source
-        check_prompt(ids, req.params, self.vocab_size, self.max_model_len)
-        return AddCommand((identity, req.request_id), req.request_id, ids, req.params, req.stream)
+        ids = admit(req, self.tokenizer, self.vocab_size, self.max_model_len)
+        return AddCommand((self.tag, identity, req.request_id), req.request_id, ids, req.params, req.stream)
 
 
 def _guess_request_id(payload: bytes) -> str | None:
