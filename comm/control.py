@@ -44,6 +44,19 @@ def broadcast_text(text: str | None, src: int = 0, group=None) -> str:
     return bytes(buf[buf != 0].tolist()).decode()
 
 
+def all_gather_text(text: str, group=None) -> list[str]:
+    """All-gathers a short string from every rank of `group` as uint8 tensors (no pickling);
+    returns them in rank order."""
+    data = text.encode()
+    if len(data) > ADDRESS_BYTES:
+        raise ValueError(f"{len(data)} bytes exceed the {ADDRESS_BYTES}-byte gather buffer")
+    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, buf, group=group)
+    return [bytes(p[p != 0].tolist()).decode() for p in parts]
+
+
 def _bind_ephemeral(sock: zmq.Socket, host: str) -> str:
     sock.bind(f"tcp://{host}:0")
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 
@@ -48,6 +48,10 @@ class DeviceConfig(Section):
     type: Literal["cpu", "cuda"] = "cpu"
     threads: PositiveInt | None = None
     """Intra-op threads per rank on CPU; by default cores / local ranks."""
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+    """What computes attention, RMSNorm and rotary: `torch` (the reference), `triton`
+    (meshserve's kernels, CUDA only, `pip install 'meshserve[gpu]'`); `auto`: triton on CUDA
+    when installed, else torch."""
 
 
 class CacheConfig(Section):
@@ -74,9 +78,43 @@ class SchedulerConfig(Section):
     """Most requests queued before admission refuses new ones."""
 
 
+class MetricsConfig(Section):
+    """The roofline behind the MFU and MBU gauges of `/metrics`."""
+
+    peak_flops: PositiveFloat | None = None
+    """Matmul FLOP/s of the whole deployment; null: measured at start-up (about a second)."""
+    memory_bandwidth: PositiveFloat | None = None
+    """Memory bytes/s of the whole deployment; null: measured at start-up."""
+
+    @field_validator("peak_flops", "memory_bandwidth", mode="before")
+    @classmethod
+    def _number(cls, v):
+        # NOTE: YAML reads `1e12` as a string (it wants `1.0e+12`); accept both spellings.
+        if isinstance(v, str):
+            try:
+                return float(v)
+            except ValueError:
+                raise ValueError(f"{v!r} is not a number (e.g. 1e12)") from None
+        return v
+
+
 class ServerConfig(Section):
     zmq: str = "tcp://127.0.0.1:5555"
     http: str | None = "127.0.0.1:8000"
+    """HOST:PORT of the OpenAI-compatible API (port 0: any free port); null: no HTTP server."""
+    model_name: str | None = None
+    """The `model` name HTTP clients use; default: model.path."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @field_validator("http")
+    @classmethod
+    def _http_address(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"http address {v!r} must be HOST:PORT, e.g. 127.0.0.1:8000")
+        return v
 
     @field_validator("zmq")
     @classmethod
@@ -86,6 +124,31 @@ class ServerConfig(Section):
         return v
 
 
+class ClusterConfig(Section):
+    """Where the ranks run: how many nodes, how many ranks on each, and how they find each
+    other. One node by default; the launcher (`meshserve serve`, torchrun, mpirun, deepspeed)
+    starts the ranks, and start-up checks that it started the world described here."""
+
+    nodes: PositiveInt = 1
+    ranks_per_node: PositiveInt | None = None
+    """Ranks on each node (default: world size / nodes). A multiple of parallel.tensor, so
+    tensor-parallel groups stay inside a node; pipeline stages may cross nodes."""
+    master_addr: str | None = None
+    """Node 0's address, reachable from every node: `meshserve serve --node-rank K` meets there
+    (default 127.0.0.1 on one node; torchrun, mpirun and deepspeed bring their own)."""
+    master_port: int = Field(29500, ge=1, le=65535)
+    """The rendezvous port on node 0 (`meshserve serve --node-rank K`)."""
+    interface: str | None = None
+    """Network interface for gloo/NCCL sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) and the
+    driver's control-plane sockets, e.g. `eth0` or `ib0`. Default: the host name's address.
+    Not part of the config hash, so nodes whose interfaces are named differently may each
+    `--set cluster.interface=...`."""
+    rendezvous_timeout: PositiveInt = 300
+    """Seconds to wait for every node and rank to join (rendezvous, process-group start-up)."""
+    handshake_timeout: PositiveInt = 120
+    """Seconds the driver waits for every rank's control-plane Ready (after loading weights)."""
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -93,10 +156,16 @@ class Config(Section):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @property
     def world_size(self) -> int:
         return self.parallel.tensor * self.parallel.pipeline * self.parallel.context
+
+    @property
+    def ranks_per_node(self) -> int:
+        """cluster.ranks_per_node, or the world split evenly over cluster.nodes."""
+        return self.cluster.ranks_per_node or max(1, self.world_size // self.cluster.nodes)
 
     @property
     def torch_dtype_name(self) -> str:

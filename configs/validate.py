@@ -5,6 +5,8 @@ Each message quotes the numbers and, where it can, the values that would work.
 
 from __future__ import annotations
 
+import importlib.util
+
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.schema import Config
@@ -31,6 +33,42 @@ def valid_tensor_sizes(info: ModelInfo) -> list[int]:
 
 def resolved_max_model_len(config: Config, info: ModelInfo) -> int:
     return config.model.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
+def cluster_problems(config: Config, info: ModelInfo | None = None) -> list[str]:
+    """The nodes must hold the world exactly, and every tensor-parallel group (consecutive
+    ranks, TP innermost) must sit inside one node."""
+    p, cluster = config.parallel, config.cluster
+    world = config.world_size
+    sizes = f"parallel.tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {world}"
+    if cluster.ranks_per_node is None and world % cluster.nodes:
+        return [f"cluster.nodes={cluster.nodes} does not divide the world size ({sizes}) "
+                f"(try cluster.nodes {_or_list(divisors(world))}, or set cluster.ranks_per_node)"]
+    problems = []
+    per_node = config.ranks_per_node
+    if cluster.nodes * per_node != world:
+        problems.append(f"cluster.nodes={cluster.nodes} x cluster.ranks_per_node={per_node} = "
+                        f"{cluster.nodes * per_node} ranks, but the world size is {sizes}")
+    if per_node % p.tensor:
+        fits = [t for t in divisors(per_node) if t <= p.tensor and (info is None or t in valid_tensor_sizes(info))]
+        problems.append(f"parallel.tensor={p.tensor} does not divide cluster.ranks_per_node={per_node}: a tensor-"
+                        f"parallel group would span nodes (tensor groups stay inside a node, pipeline stages may "
+                        f"cross nodes; try parallel.tensor {_or_list(fits)} with more pipeline stages, or more "
+                        f"ranks per node)")
+    return problems
+
+
+def kernel_problems(config: Config) -> list[str]:
+    """device.kernels=triton needs CUDA and triton (looked up, not imported: no torch here)."""
+    if config.device.kernels != "triton":
+        return []
+    if config.device.type != "cuda":
+        return [f"device.kernels=triton needs device.type=cuda, not {config.device.type} (Triton runs on CPU only in "
+                f"its interpreter, for tests; use device.kernels=torch or auto)"]
+    if importlib.util.find_spec("triton") is None:
+        return ["device.kernels=triton but triton is not installed (pip install 'meshserve[gpu]', or use "
+                "device.kernels=auto to fall back to torch)"]
+    return []
 
 
 def check_config(config: Config, source: str = "<builtin default>", info: ModelInfo | None = None) -> ModelInfo:
@@ -72,8 +110,10 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
             f"model.max_model_len={max_len} exceeds sliding_window={info.sliding_window}; sliding-window attention "
             f"is not implemented, so set model.max_model_len <= {info.sliding_window}"
         )
+    problems += cluster_problems(config, info)
     if config.device.type == "cpu" and config.model.dtype == "float16":
         problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
+    problems += kernel_problems(config)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return info

@@ -18,6 +18,7 @@ def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan
                              show_progress: bool = False) -> Engine:
     if threads:
         torch.set_num_threads(threads)
-    runner = ModelRunner(info, memory, Groups.single(), device=config.device.type, show_progress=show_progress)
+    runner = ModelRunner(info, memory, Groups.single(), device=config.device.type, show_progress=show_progress,
+                         kernels=config.device.kernels)
     tokenizer = Tokenizer(info, config.model.tokenizer)
     return Engine(LocalExecutor(runner), tokenizer, memory, config.scheduler, info.vocab_size)

@@ -18,7 +18,7 @@ from meshserve.comm.collectives import recv_from_prev_stage, send_to_next_stage
 from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
-from meshserve.layers.attention import build_attention_metadata
+from meshserve.layers.backend import select_backend
 from meshserve.layers.context_attention import CPSeqStep, build_cp_metadata
 from meshserve.parallel.context import advance, chunk_owners, is_split
 from meshserve.layers.loader import build_model
@@ -85,8 +85,9 @@ class ModelRunner:
 
     def __init__(self, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str = "cpu",
                  sampler_seed: int | None = None, show_progress: bool = False,
-                 layer_counts: list[int] | None = None):
-        """`layer_counts`: layers per pipeline stage (default: all on one stage)."""
+                 layer_counts: list[int] | None = None, kernels: str = "auto"):
+        """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
+        the config's device.kernels (auto | torch | triton)."""
         self.info, self.memory, self.groups = info, memory, groups
         self.device = torch.device(device)
         self.dtype = DTYPES[memory.dtype]
@@ -96,7 +97,8 @@ class ModelRunner:
         self.model = build_model(info, groups.tp, self.dtype, device=self.device, max_position=memory.max_model_len,
                                  layer_range=stage_layer_range(counts, groups.pp.rank),
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
-                                 show_progress=show_progress, cp=groups.cp)
+                                 show_progress=show_progress, cp=groups.cp,
+                                 backend=select_backend(kernels, self.device))
         self._pending_sends: deque = deque()
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -148,7 +150,8 @@ class ModelRunner:
                 self._add_sample(inputs, len(ids) - 1, seq_id, seq)
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
-        inputs.meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.memory.block_size, self.device)
+        inputs.meta = self.model.backend.build_metadata(query_lens, seq_lens, block_tables, self.memory.block_size,
+                                                        self.device)
         return inputs
 
     def _prepare_cp(self, batch: list[tuple[int, RankSeq, int]]) -> StepInputs:

@@ -1,10 +1,25 @@
-"""The only place that reads environment variables: the launchers' rank variables and
-the user's thread setting."""
+"""The only place that reads (or writes) environment variables: the launchers' rank
+variables, the user's thread setting, and the socket interface for gloo/NCCL.
+
+Who started this rank decides which variables describe it:
+
+| launcher                          | rank, world size     | local rank, ranks on this node        | node           |
+| --------------------------------- | -------------------- | ------------------------------------- | -------------- |
+| torchrun, `meshserve serve`       | RANK, WORLD_SIZE     | LOCAL_RANK, LOCAL_WORLD_SIZE          | GROUP_RANK     |
+| deepspeed                         | RANK, WORLD_SIZE     | LOCAL_RANK, LOCAL_SIZE                | CROSS_RANK     |
+| mpirun / mpiexec (Open MPI)       | OMPI_COMM_WORLD_RANK, _SIZE | OMPI_COMM_WORLD_LOCAL_RANK, _LOCAL_SIZE | -   |
+| mpiexec (MPICH, Intel MPI), srun  | PMI_RANK, PMI_SIZE   | MPI_LOCALRANKID, MPI_LOCALNRANKS      | -              |
+
+torchrun-style launchers also give MASTER_ADDR/MASTER_PORT; under MPI, rank 0 picks them and
+broadcasts them with mpi4py (`launcher/mpi.py`).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from meshserve.configs.schema import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -15,6 +30,20 @@ class RankEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    node_rank: int = 0
+    launcher: str = "meshserve"
+    """Who started the ranks, for messages (`torchrun`, `deepspeed`, `mpiexec (MPICH)`, ...)."""
+
+
+@dataclass(frozen=True)
+class MpiWorld:
+    """This process's place in an MPI job, as the MPI launcher's variables tell it."""
+
+    rank: int
+    size: int
+    local_rank: int | None
+    local_size: int | None
+    launcher: str
 
 
 def cpu_threads(configured: int | None, local_world_size: int) -> int:
@@ -29,19 +58,71 @@ def cpu_threads(configured: int | None, local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
-def rank_env_from_environ() -> RankEnv:
-    """This process's place in the world, from the variables torchrun / torch elastic set."""
+def set_cpu_threads_for_ranks(threads: int) -> None:
+    """OMP_NUM_THREADS for the ranks this process is about to start."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def use_network_interface(name: str) -> None:
+    """gloo and NCCL open their sockets on interface `name` (cluster.interface), in this
+    process and in the ranks it starts."""
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ["NCCL_SOCKET_IFNAME"] = name
+
+
+def _int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def mpi_world_from_environ() -> MpiWorld | None:
+    """The MPI launcher's view of this process, or None when no MPI launcher started it."""
+    if _int("OMPI_COMM_WORLD_RANK") is not None:
+        return MpiWorld(_int("OMPI_COMM_WORLD_RANK"), _int("OMPI_COMM_WORLD_SIZE"),
+                        _int("OMPI_COMM_WORLD_LOCAL_RANK"), _int("OMPI_COMM_WORLD_LOCAL_SIZE"), "mpirun (Open MPI)")
+    if _int("PMI_RANK") is not None and _int("PMI_SIZE") is not None:
+        return MpiWorld(_int("PMI_RANK"), _int("PMI_SIZE"), _int("MPI_LOCALRANKID"), _int("MPI_LOCALNRANKS"),
+                        "mpiexec (PMI)")
+    return None
+
+
+def _torch_style_launcher() -> str:
     env = os.environ
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:
+        return "deepspeed"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    return "the launcher"
+
+
+def rank_env_from_environ(cluster: ClusterConfig | None = None) -> RankEnv:
+    """This process's place in the world, from the variables its launcher set (torchrun,
+    torch elastic, deepspeed; or an MPI launcher, bootstrapped through mpi4py)."""
+    env = os.environ
+    if "RANK" not in env:
+        mpi = mpi_world_from_environ()
+        if mpi is not None:
+            from meshserve.launcher.mpi import bootstrap
+
+            return bootstrap(mpi, cluster or ClusterConfig())
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
-        raise RuntimeError(f"no launcher environment: {', '.join(missing)} unset (start `meshserve worker` "
-                           f"under torchrun, or use `meshserve serve`, which starts the ranks itself)")
+        raise RuntimeError(f"no launcher environment: {', '.join(missing)} unset (start `meshserve worker` under "
+                           f"torchrun, mpirun/mpiexec or deepspeed, or use `meshserve serve`, which starts the "
+                           f"ranks itself)")
     world = int(env["WORLD_SIZE"])
+    rank = int(env["RANK"])
+    local_world = _int("LOCAL_WORLD_SIZE") or _int("LOCAL_SIZE") or world
+    node = _int("GROUP_RANK")
+    if node is None:
+        node = _int("CROSS_RANK")
     return RankEnv(
-        global_rank=int(env["RANK"]),
-        local_rank=int(env.get("LOCAL_RANK", 0)),
+        global_rank=rank,
+        local_rank=_int("LOCAL_RANK") or 0,
         world_size=world,
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+        local_world_size=local_world,
         master_addr=env["MASTER_ADDR"],
         master_port=int(env["MASTER_PORT"]),
+        node_rank=rank // local_world if node is None else node,
+        launcher=_torch_style_launcher(),
     )

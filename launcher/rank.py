@@ -20,12 +20,13 @@ from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.worker import worker_loop
 from meshserve.launcher.env import RankEnv, cpu_threads
-from meshserve.parallel.process_groups import destroy_process_groups, init_process_groups
-from meshserve.parallel.topology import Groups, Topology
+from meshserve.launcher.network import interface_address
+from meshserve.launcher.startup import start_world
+from meshserve.parallel.process_groups import destroy_process_groups
+from meshserve.parallel.topology import Groups
 
 log = logging.getLogger("meshserve")
 
-HANDSHAKE_TIMEOUT_S = 120.0
 RESULT_TIMEOUT_S = 600.0
 
 
@@ -51,16 +52,11 @@ def _device(config: Config, env: RankEnv) -> str:
 
 
 def run_rank(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, mode: DriverMode) -> int:
-    if env.world_size != config.world_size:
-        raise RuntimeError(
-            f"the launcher started {env.world_size} ranks but the config needs tensor x pipeline x context = "
-            f"{config.parallel.tensor} x {config.parallel.pipeline} x {config.parallel.context} = {config.world_size}")
+    """Join the launcher's world (checked against the config on every rank), then work."""
     if config.device.type == "cpu":
         torch.set_num_threads(cpu_threads(config.device.threads, env.local_world_size))
-    topology = Topology(config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
-    groups = init_process_groups(topology, env.global_rank, env.master_addr, env.master_port,
-                                 config.device.type, env.local_rank, shm_slot_bytes=shm_slot_bytes(config, info))
     try:
+        groups = start_world(config, env, shm_slot_bytes=shm_slot_bytes(config, info))
         return run_in_world(config, info, memory, env, mode, groups)
     finally:
         destroy_process_groups()
@@ -80,14 +76,17 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
     mode.prepare(config, tokenizer, info, memory)
     channel = None
     if groups.world_size > 1:
-        channel = DriverChannel(env.master_addr, groups.world_size)
+        # NOTE: the control plane faces the other nodes: it binds on cluster.interface when set
+        # (clients reach the driver where server.zmq says, not here).
+        host = interface_address(config.cluster.interface) if config.cluster.interface else env.master_addr
+        channel = DriverChannel(host, groups.world_size)
         broadcast_text(channel.addresses, src=0)
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
-                         layer_counts=stage_layers(config, info))
+                         layer_counts=stage_layers(config, info), kernels=config.device.kernels)
     if channel is None:
         executor = LocalExecutor(runner)
     else:
-        channel.handshake(HANDSHAKE_TIMEOUT_S)
+        channel.handshake(config.cluster.handshake_timeout)
         executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S)
     engine = Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
                     micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context)
@@ -103,8 +102,9 @@ def _follow(config, info, memory, env, groups) -> None:
     signal.signal(signal.SIGTERM, lambda *_: log.info("rank %d: signal received; waiting for the driver", env.global_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = WorkerChannel(broadcast_text(None, src=0), env.global_rank)
-    runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info))
-    channel.handshake(HANDSHAKE_TIMEOUT_S)
+    runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info),
+                         kernels=config.device.kernels)
+    channel.handshake(config.cluster.handshake_timeout)
     try:
         worker_loop(runner, channel)
     finally:

@@ -1,4 +1,5 @@
-"""Paged attention, torch reference backend (CPU, and the oracle for other backends).
+"""Paged attention: the module the model calls, and the torch reference backend's metadata
+and math (CPU, and the oracle for the other backends, meshserve.layers.backend).
 
 The KV cache of one layer is two tensors (k_cache, v_cache) of shape
 (num_blocks, block_size, local_num_kv_heads, head_dim). A sequence's tokens live in the
@@ -94,52 +95,66 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
 
 
 class PagedAttention(nn.Module):
-    """softmax(q k^T * scale) v over each sequence's cached keys and values, with GQA.
-    With a context-parallel group of several ranks, the step's metadata is a
-    ContextParallelMetadata and the ranks exchange K/V blocks and partial outputs over `cp`."""
+    """softmax(q k^T * scale) v over each sequence's cached keys and values, with GQA,
+    computed by `backend` (meshserve.layers.backend). With a context-parallel group of
+    several ranks, the step's metadata is a ContextParallelMetadata and the ranks exchange
+    K/V blocks and partial outputs over `cp`."""
 
-    def __init__(self, local_num_heads: int, local_num_kv_heads: int, head_dim: int, cp: AxisGroup | None = None):
+    def __init__(self, local_num_heads: int, local_num_kv_heads: int, head_dim: int, cp: AxisGroup | None = None,
+                 *, backend):
         super().__init__()
         self.local_num_heads, self.local_num_kv_heads, self.head_dim = local_num_heads, local_num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.cp = cp
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
         # q: (num_tokens, local_num_heads, head_dim); k, v: (num_tokens, local_num_kv_heads, head_dim)
         if isinstance(meta, ContextParallelMetadata):
-            return cp_attention(q, k, v, kv_cache, meta, self.cp, self.scale)
-        k_cache, v_cache = kv_cache
-        k_cache.view(-1, self.local_num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.local_num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
-        if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
-        for chunk in meta.prefills:
-            rows = slice(chunk.start, chunk.start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
-        return out
+            return cp_attention(q, k, v, kv_cache, meta, self.cp, self.scale, self.backend)
+        return self.backend.attention(q, k, v, kv_cache, meta, self.scale)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        n, width = meta.decode_block_tables.shape
-        blocks = meta.decode_block_tables.flatten()
-        # (num_decodes * max_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
-        keys = k_cache.index_select(0, blocks).view(n, -1, self.local_num_kv_heads, self.head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, blocks).view(n, -1, self.local_num_kv_heads, self.head_dim).transpose(1, 2)
-        # NOTE: GQA as a short query: the query heads sharing a KV head become that head's
-        # "query positions" (no causal mask), so no KV head is repeated.
-        grouped = q.view(n, self.local_num_kv_heads, -1, self.head_dim)  # (num_decodes, kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
-        return o.reshape(n, self.local_num_heads, self.head_dim)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
-        if chunk.mask is None:  # no cached prefix: attend within the chunk, the new K/V at hand
-            keys, values = k, v
-        else:
-            keys = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
-            values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
-        # NOTE: 4-D inputs: with 3-D ones torch's CPU SDPA takes the math path (8x slower, L^2 memory).
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                           values.transpose(0, 1)[None], attn_mask=chunk.mask,
-                                           is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The torch reference: stores the new K/V, then attends. q: (num_tokens, heads,
+    head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
+    k_cache, v_cache = kv_cache
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.query_len)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    n, width = meta.decode_block_tables.shape
+    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    blocks = meta.decode_block_tables.flatten()
+    # (num_decodes * max_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
+    keys = k_cache.index_select(0, blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    # NOTE: GQA as a short query: the query heads sharing a KV head become that head's
+    # "query positions" (no causal mask), so no KV head is repeated.
+    grouped = q.view(n, kv_heads, -1, head_dim)  # (num_decodes, kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(n, heads, head_dim)
+
+
+def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    if chunk.mask is None:  # no cached prefix: attend within the chunk, the new K/V at hand
+        keys, values = k, v
+    else:
+        keys = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
+        values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
+    # NOTE: 4-D inputs: with 3-D ones torch's CPU SDPA takes the math path (8x slower, L^2 memory).
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                       values.transpose(0, 1)[None], attn_mask=chunk.mask,
+                                       is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

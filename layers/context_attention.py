@@ -6,7 +6,8 @@ which), densely in position order under the shared block table. In a step:
   as a ring over the ranks' shares (pass-KV);
 - a short chunk (a decode token) is replicated: every rank computes it, attends over its
   own share, and the partial outputs are merged exactly through their LSEs.
-Only the owner of a token writes its K/V.
+Only the owner of a token writes its K/V. The attention with LSE itself is the kernel
+backend's (meshserve.layers.backend): torch's CPU flash attention, or Triton kernels.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class ContextParallelMetadata:
     """(num_decodes, 1, 1, width) additive float mask over this rank's share."""
     decode_empty: torch.Tensor | None = None
     """(num_decodes,) this rank holds no token of the sequence."""
+    decode_lens: torch.Tensor | None = None
+    """(num_decodes,) tokens of each sequence this rank holds."""
+    decode_max_len: int = 0
+    """Their maximum, on the host."""
     chunks: list[CPChunk] = field(default_factory=list)
 
 
@@ -88,6 +93,7 @@ def build_cp_metadata(seqs: list[CPSeqStep], rank: int, block_size: int, dtype: 
         meta.decode_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
             ~visible, float("-inf"))[:, None, None, :]
         meta.decode_empty = held == 0
+        meta.decode_lens, meta.decode_max_len = held, max(lens)
     for s in seqs:
         if len(s.q_positions) > 1:
             n_blocks = -(-s.peer_lens[rank] // block_size)
@@ -97,9 +103,11 @@ def build_cp_metadata(seqs: list[CPSeqStep], rank: int, block_size: int, dtype: 
     return meta
 
 
-def cp_attention(q, k, v, kv_cache, meta: ContextParallelMetadata, cp: AxisGroup, scale: float) -> torch.Tensor:
+def cp_attention(q, k, v, kv_cache, meta: ContextParallelMetadata, cp: AxisGroup, scale: float,
+                 backend) -> torch.Tensor:
     """q: (num_tokens, local_num_heads, head_dim); k, v: (num_tokens, local_num_kv_heads, head_dim).
-    Exchanges K/V blocks (ring) and partial outputs (merge) over `cp`."""
+    Exchanges K/V blocks (ring) and partial outputs (merge) over `cp`. `backend` computes
+    the attention with LSE of each part."""
     k_cache, v_cache = kv_cache
     kv_heads, head_dim = k.shape[1], k.shape[2]
     if len(meta.store_rows):
@@ -107,7 +115,8 @@ def cp_attention(q, k, v, kv_cache, meta: ContextParallelMetadata, cp: AxisGroup
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[meta.store_rows])
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, cp, scale).to(q.dtype)
+        o, lse = backend.cp_decode_lse(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+        out[meta.decode_rows] = merge_over_cp(o, lse, cp).to(q.dtype)
     for chunk in meta.chunks:
         rows = slice(chunk.start, chunk.start + len(chunk.q_positions))
         n = chunk.peer_lens[cp.rank]
@@ -115,15 +124,19 @@ def cp_attention(q, k, v, kv_cache, meta: ContextParallelMetadata, cp: AxisGroup
         values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[:n]
         if chunk.split:
             o, _ = ring_attention(q[rows], chunk.q_positions, keys, values, chunk.local_positions, chunk.peer_lens,
-                                  cp, scale)
+                                  cp, scale, backend.attention_lse)
         else:
-            o, lse = attend(q[rows], chunk.q_positions, keys, values, chunk.local_positions, scale)
+            o, lse = attend(q[rows], chunk.q_positions, keys, values, chunk.local_positions, scale,
+                            backend.attention_lse)
             o = merge_over_cp(o, lse, cp)
         out[rows] = o.to(q.dtype)
     return out
 
 
-def _decode(q, k_cache, v_cache, meta: ContextParallelMetadata, cp: AxisGroup, scale: float) -> torch.Tensor:
+def decode_lse(q, k_cache, v_cache, meta: ContextParallelMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference for the decode part: each replicated query over this rank's
+    share of its sequence. Returns out (num_decodes, heads, head_dim) float32 and lse
+    (num_decodes, heads), -inf where this rank holds no token."""
     n, width = meta.decode_block_tables.shape
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     blocks = meta.decode_block_tables.flatten()
@@ -133,4 +146,4 @@ def _decode(q, k_cache, v_cache, meta: ContextParallelMetadata, cp: AxisGroup, s
     o, lse = _flash(grouped, keys, values, 0.0, False, attn_mask=meta.decode_mask, scale=scale)
     o, lse = o.reshape(n, -1, head_dim).float(), lse.reshape(n, -1)
     lse = lse.masked_fill(meta.decode_empty[:, None], float("-inf"))  # no token here: nothing seen
-    return merge_over_cp(o, lse, cp)
+    return o, lse

@@ -35,10 +35,12 @@ def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool =
 
 def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device | str = "cpu",
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
-                max_position: int | None = None, show_progress: bool = False, cp=None) -> LlamaForCausalLM:
+                max_position: int | None = None, show_progress: bool = False, cp=None,
+                backend=None) -> LlamaForCausalLM:
+    """`backend`: the kernel backend (meshserve.layers.backend); default torch."""
     with torch.device(device):
         model = LlamaForCausalLM(info, tp, dtype, layer_range=layer_range, is_first_stage=is_first_stage,
-                                 is_last_stage=is_last_stage, max_position=max_position, cp=cp)
+                                 is_last_stage=is_last_stage, max_position=max_position, cp=cp, backend=backend)
     load_weights(model, info, show_progress)
     for module in model.modules():
         if hasattr(module, "pack_weight"):

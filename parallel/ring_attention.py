@@ -44,6 +44,20 @@ def _flash_part(q, k, v, scale, mask=None):
     return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1)
 
 
+def flash_part(q, k, v, scale, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None):
+    """Attention with LSE over one block of keys, on CPU: every key, or with positions
+    (query i sees key j iff q_pos[i] >= k_pos[j]). q: (T, H, D), k/v: (L, Hkv, D) ->
+    out (T, H, D) float32, lse (T, H); a row that sees no key has lse -inf.
+    `attend` takes any function of this signature (a kernel backend's, on GPU)."""
+    if q_pos is None:
+        return _flash_part(q, k, v, scale)
+    visible = q_pos[:, None] >= k_pos[None, :]
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+    o, l = _flash_part(q, k, v, scale, mask)
+    # a row that sees none of these keys comes back as out 0, lse 0: make it "no key"
+    return o, l.masked_fill(~visible.any(dim=-1, keepdim=True), float("-inf"))
+
+
 def merge(out_a, lse_a, out_b, lse_b):
     """Attention over the union of two disjoint key sets, from the two partial results.
     out: (..., D) float32, lse: (...); an lse of -inf means "no key seen"."""
@@ -56,9 +70,10 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 
 def attend(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: torch.Tensor, k_pos: list[int],
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float, part=flash_part) -> tuple[torch.Tensor, torch.Tensor]:
     """Query i attends key j iff q_pos[i] >= k_pos[j]. Positions ascend in both lists.
-    q: (Lq, H, D); k, v: (Lk, Hkv, D). Returns out (Lq, H, D) float32 and lse (Lq, H)."""
+    q: (Lq, H, D); k, v: (Lk, Hkv, D). Returns out (Lq, H, D) float32 and lse (Lq, H).
+    `part` computes each tile (see flash_part)."""
     heads, dim = q.shape[1], q.shape[2]
     out = torch.zeros(len(q_pos), heads, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((len(q_pos), heads), float("-inf"), dtype=torch.float32, device=q.device)
@@ -70,15 +85,11 @@ def attend(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: torch.Tensor, 
             partial = bisect_right(k_pos, last)  # keys some query of the tile sees
             tile_out, tile_lse = None, None
             if seen:
-                tile_out, tile_lse = _flash_part(q[a:b], k[:seen], v[:seen], scale)
+                tile_out, tile_lse = part(q[a:b], k[:seen], v[:seen], scale)
             if partial > seen:
                 qp = torch.tensor(q_pos[a:b], device=q.device)
                 kp = torch.tensor(k_pos[seen:partial], device=q.device)
-                visible = qp[:, None] >= kp[None, :]
-                mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
-                o, l = _flash_part(q[a:b], k[seen:partial], v[seen:partial], scale, mask)
-                # a row that sees none of these keys comes back as out 0, lse 0: make it "no key"
-                l = l.masked_fill(~visible.any(dim=-1, keepdim=True), float("-inf"))
+                o, l = part(q[a:b], k[seen:partial], v[seen:partial], scale, qp, kp)
                 tile_out, tile_lse = merge(tile_out, tile_lse, o, l)
             if tile_out is not None:
                 out[a:b], lse[a:b] = tile_out, tile_lse
@@ -86,13 +97,14 @@ def attend(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: torch.Tensor, 
 
 
 def ring_attention(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: torch.Tensor, k_pos: list[int],
-                   peer_lens: list[int], cp: AxisGroup, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   peer_lens: list[int], cp: AxisGroup, scale: float,
+                   part=flash_part) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries over the keys of every rank of `cp`.
 
     Sends this rank's (k, v, positions) around the ring with batched isend/irecv while
     computing on the block at hand. `peer_lens[r]`: how many keys rank r holds (each
     rank knows them all, so receive buffers are sized exactly). Returns out (Lq, H, D)
-    float32 and lse (Lq, H)."""
+    float32 and lse (Lq, H). `part`: as in `attend`."""
     block = (k, v, torch.tensor(k_pos, dtype=torch.long, device=k.device))
     out, lse = None, None
     for step in range(cp.size):
@@ -108,7 +120,7 @@ def ring_attention(q: torch.Tensor, q_pos: list[int], k: torch.Tensor, v: torch.
             ops += [dist.P2POp(dist.irecv, t, cp.prev_rank, cp.device_group) for t in (*incoming, peer_posted)]
             works = dist.batch_isend_irecv(ops)
         if len(block[2]):
-            o, l = attend(q, q_pos, block[0], block[1], block[2].tolist(), scale)
+            o, l = attend(q, q_pos, block[0], block[1], block[2].tolist(), scale, part)
             out, lse = merge(out, lse, o, l)
         if works:
             computed = time.monotonic_ns()

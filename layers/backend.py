@@ -1,0 +1,109 @@
+"""Kernel backends: what computes paged attention, RMSNorm and rotary on this rank.
+
+The model gets one backend object when it is built and calls it; the model code never
+branches on the device:
+- `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE). The default on
+  CPU, and the reference every other backend is tested against.
+- `TritonBackend` (meshserve.layers.kernels.triton_backend): meshserve's Triton kernels,
+  the default on CUDA when triton is installed (`pip install 'meshserve[gpu]'`).
+
+A backend also builds the per-step attention metadata (`build_metadata`): each backend's
+step inputs cost only what that backend reads. `select_backend` maps the config's
+`device.kernels` (auto | torch | triton) to a backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from meshserve.layers import attention, context_attention, norm, rotary
+from meshserve.layers.kernels import triton_available
+from meshserve.parallel import ring_attention
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "triton")
+
+
+class Backend:
+    """The interface. Shapes: q (num_tokens, heads, head_dim); k, v (num_tokens,
+    kv_heads, head_dim); the KV cache of a layer (k_cache, v_cache), each (num_blocks,
+    block_size, kv_heads, head_dim). LSE: natural log, float32, (num_queries, heads), -inf
+    for a query that sees no key (its out is 0)."""
+
+    name = "base"
+
+    def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                       block_size: int, device: torch.device | str = "cpu"):
+        """Host lists of a step (new tokens, tokens in the cache after the step, and the
+        block ids of each sequence) -> this backend's attention metadata."""
+        raise NotImplementedError
+
+    def attention(self, q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
+        """Stores the new K/V in the cache, then returns softmax(q k^T scale) v for every
+        new token over its sequence's cached tokens (causal within a chunk)."""
+        raise NotImplementedError
+
+    def cp_decode_lse(self, q, k_cache, v_cache, meta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallelism: the replicated decode queries (num_decodes, heads, head_dim)
+        over this rank's share of their sequences (a ContextParallelMetadata). Returns out
+        float32 and lse, for the merge over the group."""
+        raise NotImplementedError
+
+    def attention_lse(self, q, k, v, scale: float, q_pos=None, k_pos=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallelism: q (T, heads, D) over one contiguous block of keys k, v
+        (L, kv_heads, D): every key, or query i sees key j iff q_pos[i] >= k_pos[j]
+        (tensors). Returns out (T, heads, D) float32 and lse (T, heads)."""
+        raise NotImplementedError
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """norm(x), or with `residual` (norm(x + residual), x + residual)."""
+        raise NotImplementedError
+
+    def rotary(self, rope: tuple[torch.Tensor, torch.Tensor], q, k) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k rotated by rope = (cos, sin), each (num_tokens, 1, head_dim); may work in place."""
+        raise NotImplementedError
+
+
+class TorchBackend(Backend):
+    """Plain torch: the reference implementations, called directly (no wrapper per call)."""
+
+    name = "torch"
+
+    def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
+        return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)
+
+    attention = staticmethod(attention.paged_attention)
+    cp_decode_lse = staticmethod(context_attention.decode_lse)
+    attention_lse = staticmethod(ring_attention.flash_part)
+    rms_norm = staticmethod(norm.rms_norm)
+    rotary = staticmethod(rotary.RotaryEmbedding.apply)
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """`auto`: triton on CUDA when it is installed, else torch."""
+    if name not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown kernel backend {name!r} (auto, {', '.join(BACKENDS)})")
+    if name != "auto":
+        return name
+    if torch.device(device).type != "cuda":
+        return "torch"
+    if triton_available():
+        return "triton"
+    log.warning("device.kernels=auto on CUDA without triton: using the torch backend "
+                "(pip install 'meshserve[gpu]' for meshserve's Triton kernels)")
+    return "torch"
+
+
+def select_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
+    """The backend for config value `name` (auto | torch | triton) on `device`."""
+    resolved = resolve_backend_name(name, device)
+    if resolved == "torch":
+        return TorchBackend()
+    if not triton_available():
+        raise ImportError("device.kernels=triton needs triton: pip install 'meshserve[gpu]'")
+    from meshserve.layers.kernels.triton_backend import TritonBackend
+
+    return TritonBackend()

