@@ -10,7 +10,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, Protocol
 
 from meshserve.comm.messages import Delta, SamplingParams
 from meshserve.configs.memory import MemoryPlan
@@ -41,6 +41,23 @@ class EngineStats:
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
+class EngineObserver(Protocol):
+    """Hooks for metrics, called on the step loop's thread. The engine imports none of
+    what implements them (engine/metrics.py does, for Prometheus)."""
+
+    def on_scheduled(self, batch: ScheduledBatch) -> None:
+        """A step was scheduled (its sequences, and any preempted for it)."""
+
+    def on_token(self, seq: Sequence) -> None:
+        """`seq` got a token."""
+
+    def on_finished(self, state: RequestState) -> None:
+        """A request finished or was aborted."""
+
+    def on_step(self, batch: ScheduledBatch, context_lens: list[int], seconds: float) -> None:
+        """A step finished: each sequence's tokens in context after it, and the step's wall time."""
+
+
 @dataclass
 class InFlight:
     batch: ScheduledBatch
@@ -67,6 +84,7 @@ class Engine:
         self._by_seq: dict[int, RequestState] = {}
         self._next_seq_id = 0
         self.stats = EngineStats()
+        self.observer: EngineObserver | None = None
 
     @property
     def num_requests(self) -> int:
@@ -110,10 +128,13 @@ class Engine:
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
         out: list[tuple[Hashable, Delta]] = []
+        context_lens = [s.num_computed + n for s, n in zip(done.batch.seqs, done.batch.num_new)]
         for seq in self.scheduler.update(done.batch, sampled):
             state = self._by_seq[seq.seq_id]
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
+            if self.observer is not None:
+                self.observer.on_token(seq)
             delta = self.outputs.on_token(state, logprobs.get(seq.seq_id))
             if state.finish_reason is not None:
                 self._finish(state)
@@ -124,6 +145,8 @@ class Engine:
         self.stats.step_seconds += end - start
         self.stats.execute_seconds += executed - submitted
         self.stats.postprocess_seconds += end - executed
+        if self.observer is not None:
+            self.observer.on_step(done.batch, context_lens, end - start)
         return out
 
     def _fill(self) -> None:
@@ -136,6 +159,8 @@ class Engine:
                 ready = sum(1 for s in self.scheduler.running if s.seq_id not in busy) + len(self.scheduler.waiting)
                 cap = max(1, math.ceil(ready / (self.micro_batches - len(self._in_flight))))
             batch = self.scheduler.schedule(busy, cap)
+            if self.observer is not None and (len(batch) or batch.preempted):
+                self.observer.on_scheduled(batch)
             for seq in batch.preempted:
                 self.plans.forget(seq)
             if not len(batch):  # no plan: the dropped ids wait for the next one
@@ -157,6 +182,8 @@ class Engine:
         self.stats.generation_tokens += seq.num_output_tokens
         reason = state.finish_reason or "abort"
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
+        if self.observer is not None:
+            self.observer.on_finished(state)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,4 +1,4 @@
-"""The `meshserve` command: serve, generate, check.
+"""The `meshserve` command: serve, generate, check, bench.
 
 Every command loads and validates the config (and checks it against the model) before
 anything heavy starts, so mistakes fail in a second with the numbers in the message.
@@ -18,18 +18,24 @@ from meshserve.configs.memory import MemoryPlan, plan_memory
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
 from meshserve.configs.validate import check_config
+from meshserve.launcher.errors import StartupError
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("config", nargs=None if required else "?", help="YAML config (default: the built-in SmolLM2 on CPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set parallel.tensor=2 (repeatable)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="K",
+                   help="this node's rank, 0 .. cluster.nodes-1, when the config spans several nodes")
     # Set by `meshserve serve`/`generate` on the ranks they start: run as one rank of the launcher's world.
     p.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description="Distributed LLM serving runtime")
+    # deepspeed's launcher (and torch.distributed.launch) put --local_rank=N before the command;
+    # the rank reads LOCAL_RANK from the environment instead.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model over ZMQ (and HTTP)")
@@ -54,7 +60,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="validate a config and print the resolved config and memory plan")
     _add_config_args(p, required=False)
+
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub) -> None:
+    """Flags as in vLLM's serving benchmark (`vllm bench serve`)."""
+    p = sub.add_parser("bench", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
+    p.add_argument("--url", required=True, help="server base URL (e.g. http://127.0.0.1:8000) or full endpoint URL")
+    p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[None], metavar="C",
+                   help="most requests in flight (several values: a sweep)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")], metavar="R",
+                   help="requests/s, Poisson arrivals (default inf: all at once; several values: a sweep)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
+    p.add_argument("--dataset", "--dataset-path", dest="dataset", default=None, metavar="FILE.jsonl",
+                   help="prompts from a JSONL file: {\"prompt\": ..., \"output_len\": N} per line")
+    p.add_argument("--prompt-format", choices=["text", "tokens"], default="text",
+                   help="random prompts as text (calibrated on the server's token counts) or as token ids")
+    p.add_argument("--slo", "--goodput", dest="slo", nargs="+", default=None, metavar="KEY=MS",
+                   help="goodput SLOs in ms, e.g. ttft=2000,tpot=100 (keys: ttft, tpot, e2el)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so every request generates --output-len tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--output", "--result-filename", dest="output", default=None, metavar="FILE.json",
+                   help="write the result as JSON, and PNG plots next to it")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true")
 
 
 def load(args: argparse.Namespace) -> tuple[Config, ModelInfo, MemoryPlan]:
@@ -91,7 +131,7 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
         from meshserve.launcher.env import rank_env_from_environ
         from meshserve.launcher.rank import run_rank
 
-        return run_rank(config, info, memory, rank_env_from_environ(), mode_factory())
+        return run_rank(config, info, memory, rank_env_from_environ(config.cluster), mode_factory())
     if config.world_size == 1:
         from meshserve.launcher.env import RankEnv
         from meshserve.launcher.rank import run_rank
@@ -100,7 +140,7 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
     from meshserve.launcher.spawn import spawn_local_ranks
 
     return spawn_local_ranks(config, ["-m", "meshserve.launcher.cli", *args.argv, "--as-rank"],
-                             shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15)
+                             shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15, node_rank=args.node_rank)
 
 
 def _serve_mode(args):
@@ -131,7 +171,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _run(args, lambda: GenerateMode(args.prompt, params, args.chat, args.json))
 
 
-COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check}
+def cmd_bench(args: argparse.Namespace) -> int:
+    from meshserve.client.bench import run  # client-side code: httpx, no torch
+
+    return run(args)
+
+
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshserve: config error: {e}", file=sys.stderr)
         return 2
+    except StartupError as e:
+        print(f"meshserve: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The driver serving clients: ZMQ frontend, step loop, graceful drain on signals."""
+"""The driver serving clients: ZMQ and HTTP frontends, step loop, graceful drain on signals."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
 from meshserve.engine.engine import Engine
-from meshserve.engine.commands import Inbox
+from meshserve.engine.commands import Frontend, Inbox
 from meshserve.engine.server import Server
 from meshserve.engine.zmq_frontend import ZmqFrontend
 from meshserve.engine.tokenizer import Tokenizer
@@ -28,14 +28,38 @@ class ServeMode:
         self.drain_timeout = drain_timeout
         self.inbox = Inbox()
         self.frontend: ZmqFrontend | None = None
+        self.http = None
+        """The HTTP frontend (engine/http_frontend.py), unless server.http is null."""
+        self.metrics = None
         self.config: Config | None = None
+        self.info: ModelInfo | None = None
 
     def prepare(self, config: Config, tokenizer: Tokenizer, info: ModelInfo, memory: MemoryPlan) -> None:
-        self.config = config
+        self.config, self.info = config, info
         self.frontend = ZmqFrontend(config.server.zmq, self.inbox, tokenizer, info.vocab_size, memory.max_model_len)
+        if config.server.http is None:
+            return
+        from meshserve.engine.http_frontend import HttpFrontend  # FastAPI and uvicorn only when served
+        from meshserve.engine.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics()
+        try:
+            self.http = HttpFrontend(config.server.http, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
+                                     config.server.model_name or config.model.path, self.metrics.registry)
+        except OSError:
+            self.frontend.close()
+            raise
 
     def run(self, engine: Engine) -> int:
-        server = Server(engine, self.inbox, [self.frontend], self.config.scheduler.max_waiting)
+        frontends: list[Frontend] = [self.frontend]
+        if self.http is not None:
+            from meshserve.engine.metrics import serving_metrics
+
+            m = self.config.server.metrics
+            serving_metrics(self.info, self.config.torch_dtype_name, self.config.device.type, self.config.world_size,
+                            m.peak_flops, m.memory_bandwidth, engine, self.metrics)
+            frontends.append(self.http)
+        server = Server(engine, self.inbox, frontends, self.config.scheduler.max_waiting)
 
         def on_signal(signum, frame):
             if server.stop_requested.is_set():
@@ -46,11 +70,11 @@ class ServeMode:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        # NOTE: server.http is served by the OpenAI-compatible API once it exists; until then it is off.
-        print(ready_line(self.frontend.address, None, self.config), flush=True)
+        print(ready_line(self.frontend.address, self.http.address if self.http else None, self.config), flush=True)
         try:
             server.run(self.drain_timeout)
         finally:
-            self.frontend.close()
+            for frontend in frontends:
+                frontend.close()
         log.info("stopped after %d steps, %d requests", engine.stats.steps, engine.stats.finished)
         return 0

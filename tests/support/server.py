@@ -48,7 +48,8 @@ class MeshserveProcess:
         return next(line for line in self.stdout if "ready" in line)
 
     def tail(self, n: int = 5000) -> str:
-        self._log_file.flush()
+        if not self._log_file.closed:
+            self._log_file.flush()
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:

@@ -1,0 +1,477 @@
+"""The OpenAI-compatible HTTP API (the "http" frontend): FastAPI served by uvicorn on an
+event loop in a thread of its own.
+
+A handler validates and tokenizes (tokenization runs on a worker thread, off the event
+loop), then puts one AddCommand per sample (prompts x n) into the step loop's inbox. The
+step loop replies through `send()` from its own thread; `send()` hands each message to
+the event loop with `call_soon_threadsafe`, into the asyncio queue of the HTTP request it
+belongs to. A client that disconnects, streaming or not, gets its engine requests aborted.
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
+parameters (FastAPI's 422 included) and prompts that are too long, 404 for an unknown model
+or path, 413 for a body over MAX_BODY_BYTES, 429 when the scheduler's queue is full, 503
+while the server drains or once it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any, Hashable
+
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams
+from meshserve.engine.commands import AbortCommand, AddCommand, Inbox
+from meshserve.engine.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, CompletionRequest,
+                                              CompletionShapes, LogprobFormatter, OpenAIError, engine_error,
+                                              from_request_error, usage_dict)
+from meshserve.engine.tokenizer import Tokenizer
+from meshserve.engine.validation import RequestError, check_prompt
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+DEFAULT_COMPLETION_TOKENS = 16
+"""OpenAI's default max_tokens for /v1/completions (chat defaults to the rest of the context)."""
+
+
+class _Disconnected:
+    """Put in a request's queue when its client goes away."""
+
+
+DISCONNECTED = _Disconnected()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response started."""
+
+
+def bind_socket(address: str) -> socket.socket:
+    """A listening TCP socket at HOST:PORT (port 0: any free port); OSError if taken."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"server.http={address}: cannot bind ({e.strerror or e})") from None
+    sock.setblocking(False)
+    return sock
+
+
+class _Samples:
+    """The engine requests of one HTTP request (prompts x n), and the queue their replies
+    arrive in as (sample index, message)."""
+
+    def __init__(self, frontend: "HttpFrontend", request_id: str):
+        self.frontend, self.request_id = frontend, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.keys: list[Hashable] = []
+        self.finished: set[int] = set()
+        self._closed = False
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> None:
+        index = len(self.keys)
+        key = (HttpFrontend.tag, self.request_id, index)
+        self.keys.append(key)
+        self.frontend._routes[key] = (self.queue, index)
+        self.frontend.inbox.put(AddCommand(key, f"{self.request_id}-{index}", prompt_ids, params, stream))
+
+    def done(self, index: int, msg: Any) -> bool:
+        """Whether `msg` ends sample `index`."""
+        if isinstance(msg, ErrorReply) or msg.finish_reason is not None:
+            self.finished.add(index)
+            return True
+        return False
+
+    @property
+    def all_done(self) -> bool:
+        return len(self.finished) == len(self.keys)
+
+    def close(self) -> None:
+        """Forget the routes; abort the samples that are still running (the client left,
+        another sample failed, or the handler was cancelled). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for index, key in enumerate(self.keys):
+            self.frontend._routes.pop(key, None)
+            if index not in self.finished:
+                self.frontend.inbox.put(AbortCommand(key))
+
+
+class HttpFrontend:
+    tag = "http"
+
+    def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 model_name: str, registry: CollectorRegistry | None = None):
+        self.inbox, self.tokenizer = inbox, tokenizer
+        self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.accepting = True
+        self.error: BaseException | None = None
+        self.stopped = False
+        """Set by close(): /health answers 503 from then on."""
+        self._sock = bind_socket(address)
+        host, port = self._sock.getsockname()[:2]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._loop = asyncio.new_event_loop()
+        self._routes: dict[Hashable, tuple[asyncio.Queue, int]] = {}
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="meshserve-tokenize")
+        self._token_text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        self._responses = Counter("meshserve_http_responses", "HTTP responses by path and status", ["path", "status"],
+                                  registry=self.registry)
+        self.app = build_app(self)
+        self._server = uvicorn.Server(uvicorn.Config(
+            _CountingApp(self.app, self._responses), log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=5, timeout_keep_alive=30))
+        self._thread = threading.Thread(target=self._serve, name="meshserve-http", daemon=True)
+
+    # ------------------------------------------------------------------ Frontend protocol
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, key: Hashable, message: msgspec.Struct) -> None:
+        """Hand a reply to the event loop (called from the step loop's thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, key, message)
+        except RuntimeError:  # the loop is closed: the server is stopping, nobody is listening
+            pass
+
+    def close(self) -> None:
+        self.stopped = True
+        self.accepting = False
+        if self._thread.is_alive():
+            self.send(None, None)  # wakes the loop; see _deliver
+            self._server.should_exit = True
+            self._thread.join(timeout=15)
+        else:
+            self._sock.close()
+            self._loop.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ event-loop thread
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+            if not self.stopped:
+                raise RuntimeError("the HTTP server stopped by itself")
+        except BaseException as e:  # noqa: BLE001 - the step loop reports it
+            log.exception("the HTTP frontend died")
+            self.error = e
+        finally:
+            self._loop.close()
+
+    def _deliver(self, key: Hashable, message: Any) -> None:
+        if key is None:  # close(): whoever still waits gets an error instead of hanging
+            for queue, index in list(self._routes.values()):
+                queue.put_nowait((index, ErrorReply(None, "unavailable", "the server stopped")))
+            return
+        route = self._routes.get(key)
+        if route is not None:  # else the HTTP request is gone (aborted, disconnected)
+            queue, index = route
+            queue.put_nowait((index, message))
+
+    async def _in_thread(self, fn, *args):
+        return await self._loop.run_in_executor(self._tokenize_pool, fn, *args)
+
+    # ------------------------------------------------------------------ handlers
+
+    def _check_common(self, req) -> None:
+        if not self.accepting:
+            raise engine_error("unavailable", "the server is shutting down and accepts no new requests")
+        if req.model is not None and req.model != self.model_name:
+            raise OpenAIError(404, f"The model `{req.model}` does not exist (this server serves `{self.model_name}`)",
+                              param="model", code="model_not_found")
+        req.check_supported()
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if len(prompt) > 64 * self.max_model_len:
+            raise OpenAIError(400, f"the prompt has {len(prompt)} characters, far more than the model's maximum "
+                                   f"context of {self.max_model_len} tokens", param="prompt",
+                              code="context_length_exceeded")
+        return self.tokenizer.encode(prompt)
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if sum(len(m["content"]) for m in messages) > 64 * self.max_model_len:
+            raise OpenAIError(400, f"the messages are far longer than the model's maximum context of "
+                                   f"{self.max_model_len} tokens", param="messages", code="context_length_exceeded")
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the template refuses (e.g. roles out of order)
+            raise OpenAIError(400, f"the chat template failed: {e}", param="messages") from None
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_common(req)
+        prompts = req.prompts()
+        if len(prompts) * req.n > MAX_N:
+            raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_N} samples", param="n")
+        ids = [await self._in_thread(self._encode_prompt, p) for p in prompts]
+        max_tokens = req.max_tokens or DEFAULT_COMPLETION_TOKENS
+        return await self._generate(req, raw, ids, max_tokens, req.logprobs, CompletionShapes, "prompt")
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_common(req)
+        ids = await self._in_thread(self._encode_chat, [m.as_template_input() for m in req.messages])
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
+        return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, ChatShapes, "messages")
+
+    async def _generate(self, req, raw: Request, prompt_ids: list[list[int]], max_tokens: int,
+                        logprobs: int | None, shapes_cls, prompt_param: str) -> Response:
+        samples = []  # (prompt ids, params), choice index = prompt index * n + j
+        for ids in prompt_ids:
+            for j in range(req.n):
+                # NOTE: sample j gets seed + j: the same seed for all would make n identical samples.
+                seed = None if req.seed is None else (req.seed + j) % (1 << 63)
+                params = req.sampling_params(max_tokens, logprobs, seed)
+                req.check_params(params, self.vocab_size)
+                try:
+                    check_prompt(ids, params, self.vocab_size, self.max_model_len)
+                except RequestError as e:
+                    raise from_request_error(e, prompt_param) from None
+                samples.append((ids, params))
+        request_id = f"{shapes_cls.id_prefix}{uuid.uuid4().hex}"
+        shapes = shapes_cls(LogprobFormatter(self._token_text) if logprobs is not None else None)
+        run = _Samples(self, request_id)
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(raw, run.queue))
+        try:
+            for ids, params in samples:
+                run.submit(ids, params, req.stream)
+            if req.stream:
+                first = await self._first_replies(run)
+            else:
+                results = await self._collect(run)
+        except BaseException:
+            run.close()
+            raise
+        finally:
+            watcher.cancel()
+        if not req.stream:
+            run.close()
+            return self._whole(run, shapes, results, prompt_ids)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return _EventStream(self._stream(run, shapes, first, include_usage, prompt_ids), run.close)
+
+    @staticmethod
+    def _check_reply(msg: Any) -> None:
+        if msg is DISCONNECTED:
+            raise ClientDisconnected()
+        if isinstance(msg, ErrorReply):
+            raise engine_error(msg.code, msg.message)
+
+    async def _collect(self, run: _Samples) -> list[Completion]:
+        results = [Completion(f"{run.request_id}-{i}") for i in range(len(run.keys))]
+        while not run.all_done:
+            index, msg = await run.queue.get()
+            self._check_reply(msg)
+            results[index].add(msg)
+            run.done(index, msg)
+        if any(c.finish_reason == "abort" for c in results):
+            raise engine_error("unavailable", "the request was aborted: the server is shutting down")
+        return results
+
+    async def _first_replies(self, run: _Samples) -> list[tuple[int, Delta]]:
+        """Wait for every sample's first delta, so an error reply still gets its status code."""
+        first, seen = [], set()
+        while len(seen) < len(run.keys):
+            index, msg = await run.queue.get()
+            self._check_reply(msg)
+            first.append((index, msg))
+            seen.add(index)
+            run.done(index, msg)
+        return first
+
+    def _header(self, run: _Samples) -> dict[str, Any]:
+        return {"id": run.request_id, "created": int(time.time()), "model": self.model_name}
+
+    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids) -> JSONResponse:
+        usage = usage_dict(sum(len(p) for p in prompt_ids), sum(c.usage.completion_tokens for c in results))
+        body = self._header(run) | {"object": shapes.object,
+                                             "choices": [shapes.choice(i, c) for i, c in enumerate(results)],
+                                             "usage": usage}
+        return JSONResponse(body)
+
+    async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], include_usage: bool, prompt_ids):
+        """Server-sent events: one chunk per delta, the usage chunk if asked, then [DONE]."""
+        header = self._header(run) | {"object": shapes.chunk_object}
+        extra = {"usage": None} if include_usage else {}
+        completion_tokens = 0
+
+        def event(index: int, delta: Delta) -> bytes:
+            nonlocal completion_tokens
+            if delta.usage is not None:
+                completion_tokens += delta.usage.completion_tokens
+            chunk = header | {"choices": [shapes.chunk_choice(index, delta)]} | extra
+            return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+        try:
+            pending = list(first)
+            while True:
+                out = b"".join(event(i, d) for i, d in pending)
+                if out:
+                    yield out
+                if run.all_done:
+                    break
+                pending = [await run.queue.get()]
+                while not run.queue.empty():  # whatever else arrived: one write
+                    pending.append(run.queue.get_nowait())
+                for index, msg in pending:
+                    if isinstance(msg, ErrorReply):  # after the headers: an error event ends the stream
+                        err = engine_error(msg.code, msg.message)
+                        yield b"data: " + msgspec.json.encode(err.body()) + b"\n\n"
+                        return
+                    run.done(index, msg)
+            if include_usage:
+                usage = usage_dict(sum(len(p) for p in prompt_ids), completion_tokens)
+                yield b"data: " + msgspec.json.encode(header | {"choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:  # also when the client disconnects: Starlette cancels this generator
+            run.close()
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "meshserve", "max_model_len": self.max_model_len}]}
+
+    def health(self) -> tuple[int, dict[str, str]]:
+        if self.stopped:
+            return 503, {"status": "stopped"}
+        if not self.accepting:
+            return 503, {"status": "draining"}
+        return 200, {"status": "ok"}
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that release their engine requests however the response ends (also
+    when the client leaves before the first chunk, so the generator never starts)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
+    """Until cancelled: tell the handler if its client goes away. Only while no response is
+    being sent (once streaming, Starlette itself watches and cancels the stream)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            queue.put_nowait((None, DISCONNECTED))
+            return
+
+
+class _CountingApp:
+    """ASGI wrapper: counts responses by path and status, and refuses oversized bodies (413)
+    before anything reads them."""
+
+    def __init__(self, app, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in COUNTED_PATHS else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            err = OpenAIError(413, f"the request body has {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
+                              code="request_too_large")
+            return await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
+        await self.app(scope, receive, counting_send)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return OpenAIError(400, f"the body is not valid JSON: {detail}".rstrip(": "), code="invalid_value")
+    # pydantic names each member of a union it tried (`str`, `list[int]`, ...): not for clients
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
+    param = loc[0] if loc else None
+    more = f" ({len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    message = f"{'.'.join(loc)}: {first['msg']}{more}" if loc else f"{first['msg']}{more}"
+    return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|[a-z-]+\[.*\])$")
+
+
+def build_app(frontend: HttpFrontend) -> FastAPI:
+    app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve server")
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        return JSONResponse(err.body(), err.status, headers=getattr(exc, "headers", None))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await frontend.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await frontend.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return frontend.models()
+
+    @app.get("/health")
+    async def health():
+        status, body = frontend.health()
+        return JSONResponse(body, status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(frontend.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,189 @@
+"""Prometheus metrics of a serving driver, fed by the engine's observer hooks.
+
+Everything lives on a registry of its own (never prometheus_client's global one), so two
+servers in one process, or a test, never share counters. The hooks run on the step loop's
+thread; `/metrics` reads the registry from the HTTP thread (prometheus_client locks).
+
+Latencies follow vLLM's definitions, timed at the engine: queue time (arrival to first
+scheduled), TTFT (arrival to first token), inter-token latency (between consecutive tokens
+of a request), TPOT (a finished request's (last token - first token) / (tokens - 1)), and
+end-to-end latency (arrival to finish). Per-step MFU and MBU set the model's FLOPs and bytes
+of that step (engine/perf.py ModelCost) against the deployment's peak figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from meshserve.engine.engine import Engine
+from meshserve.engine.output import RequestState
+from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
+from meshserve.engine.scheduler import ScheduledBatch
+from meshserve.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+PREFIX = "meshserve_"
+
+# Buckets as vLLM's, so dashboards built for it read these the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Peak figures of the whole deployment (all ranks), and where they came from."""
+
+    peak_flops: float
+    memory_bandwidth: float
+    source: str
+
+
+def measure_roofline(dtype, device: str, world_size: int, peak_flops: float | None = None,
+                     memory_bandwidth: float | None = None) -> Roofline:
+    """Measure what the config does not give (about a second on a CPU): this process's matmul
+    peak in `dtype` and its copy bandwidth, scaled to the deployment.
+
+    NOTE: FLOPs scale with the world size (each rank has its own cores or GPU). Bandwidth does
+    on GPUs (each has its own memory) but not on one CPU node, whose ranks share its memory."""
+    measured = []
+    if peak_flops is None:
+        peak_flops = measure_matmul_peak(dtype, n=1024, repeats=3, device=device) * world_size
+        measured.append("peak_flops")
+    if memory_bandwidth is None:
+        per_process = measure_memory_bandwidth(64 << 20, repeats=3, device=device)
+        memory_bandwidth = per_process * (world_size if device != "cpu" else 1)
+        measured.append("memory_bandwidth")
+    return Roofline(peak_flops, memory_bandwidth, f"measured {', '.join(measured)}" if measured else "config")
+
+
+@dataclass
+class _Times:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class EngineMetrics:
+    """The Prometheus side of one server. Implements the engine's EngineObserver."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=TTFT_BUCKETS)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Per finished request: (last token - first token) / (tokens - 1)", registry=r,
+                              buckets=TOKEN_BUCKETS)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             registry=r, buckets=TOKEN_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish of finished requests",
+                             registry=r, buckets=REQUEST_BUCKETS)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled", registry=r,
+                               buckets=REQUEST_BUCKETS)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests holding KV blocks", registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for admission", registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1)", registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Sequences preempted (recomputed later)", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(PREFIX + "request_success", "Requests finished, by reason", ["finished_reason"],
+                                registry=r)
+        self.steps = Counter(PREFIX + "engine_steps", "Engine steps run", registry=r)
+        self.step_seconds = Counter(PREFIX + "engine_step_seconds", "Wall time inside engine steps", registry=r)
+        self.flops = Counter(PREFIX + "model_flops", "Model FLOPs computed (all ranks)", registry=r)
+        self.bytes_read = Counter(PREFIX + "model_bytes_read", "Weight and KV bytes read (all ranks)", registry=r)
+        self.mfu = Gauge(PREFIX + "model_flops_utilization", "Last step's model FLOP/s over the peak (0-1)", registry=r)
+        self.mbu = Gauge(PREFIX + "memory_bandwidth_utilization", "Last step's bytes read/s over the bandwidth (0-1)",
+                         registry=r)
+        self.peak_flops = Gauge(PREFIX + "peak_flops", "The FLOP/s behind MFU", registry=r)
+        self.peak_bandwidth = Gauge(PREFIX + "peak_memory_bandwidth_bytes", "The bytes/s behind MBU", registry=r)
+        self._cost: ModelCost | None = None
+        self._roofline: Roofline | None = None
+        self._times: dict[int, _Times] = {}
+
+    def attach(self, engine: Engine, cost: ModelCost | None = None, roofline: Roofline | None = None) -> None:
+        """Observe `engine`. Gauges of its queues read it when scraped (len() is atomic)."""
+        sched = engine.scheduler
+        self.running.set_function(lambda: len(sched.running))
+        self.waiting.set_function(lambda: len(sched.waiting))
+        self.kv_usage.set_function(lambda: sched.blocks.usage)
+        self._cost, self._roofline = cost, roofline
+        if roofline is not None:
+            self.peak_flops.set(roofline.peak_flops)
+            self.peak_bandwidth.set(roofline.memory_bandwidth)
+        engine.observer = self
+
+    # ------------------------------------------------------------------ EngineObserver
+
+    def on_scheduled(self, batch: ScheduledBatch) -> None:
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.seq_id not in self._times:  # first scheduled (not a resume after preemption)
+                self._times[seq.seq_id] = _Times(seq.arrival_time)
+                self.queue.observe(now - seq.arrival_time)
+                self.prompt_tokens.inc(seq.prompt_len)
+        if batch.preempted:
+            self.preemptions.inc(len(batch.preempted))
+
+    def on_token(self, seq: Sequence) -> None:
+        now = time.monotonic()
+        t = self._times.get(seq.seq_id)
+        if t is None:
+            return
+        if t.first_token is None:
+            t.first_token = now
+            self.ttft.observe(now - t.arrival)
+        else:
+            self.itl.observe(now - t.last_token)
+        t.last_token = now
+        self.generation_tokens.inc()
+
+    def on_finished(self, state: RequestState) -> None:
+        t = self._times.pop(state.seq.seq_id, None)
+        reason = state.finish_reason or "abort"
+        self.finished.labels(reason).inc()
+        if t is None or reason == "abort":
+            return
+        self.e2e.observe(time.monotonic() - t.arrival)
+        n = state.seq.num_output_tokens
+        if n > 1 and t.first_token is not None:
+            self.tpot.observe((t.last_token - t.first_token) / (n - 1))
+
+    def on_step(self, batch: ScheduledBatch, context_lens: list[int], seconds: float) -> None:
+        self.steps.inc()
+        self.step_seconds.inc(seconds)
+        if self._cost is None:
+            return
+        cost = self._cost
+        flops = sum(cost.flops(n, max(n, ctx)) for n, ctx in zip(batch.num_new, context_lens))
+        # every weight once per step, and each sequence's K/V of its whole context
+        nbytes = cost.weight_bytes + cost.kv_bytes_per_token * sum(context_lens)
+        self.flops.inc(flops)
+        self.bytes_read.inc(nbytes)
+        if self._roofline is not None and seconds > 0:
+            self.mfu.set(flops / seconds / self._roofline.peak_flops)
+            self.mbu.set(nbytes / seconds / self._roofline.memory_bandwidth)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_flops: float | None,
+                    memory_bandwidth: float | None, engine: Engine, metrics: EngineMetrics) -> Roofline:
+    """Measure (or take) the roofline and attach `metrics` to `engine`; returns the roofline."""
+    import torch
+
+    roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth)
+    metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name]), roofline)
+    log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,
+             roofline.memory_bandwidth)
+    return roofline

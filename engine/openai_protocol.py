@@ -1,0 +1,300 @@
+"""OpenAI's HTTP API as meshserve serves it: request models, errors, and the response and
+stream-chunk shapes of /v1/completions and /v1/chat/completions.
+
+Requests are pydantic models that refuse unknown fields, as OpenAI's API does (a typo such
+as `max_token` is a 400, not silently ignored). Parameters meshserve cannot honour
+(penalties, logit_bias, echo, tools, ...) are a 400 naming the parameter unless they are
+left at their no-op value. Extensions (vLLM's names): top_k, min_tokens, ignore_eos,
+stop_token_ids, skip_special_tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshserve.comm.messages import MAX_LOGPROBS, Completion, Delta, ErrorCode, SamplingParams, TokenLogprob
+from meshserve.engine.validation import RequestError, check_params
+
+MAX_N = 128
+"""Most samples (n x prompts) one HTTP request may ask for."""
+
+
+class OpenAIError(Exception):
+    """An error response: status code and OpenAI's {"error": {...}} body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# How the engine's error codes (comm.messages.ErrorCode) reach HTTP clients.
+ENGINE_ERRORS: dict[str, tuple[int, str, str | None]] = {
+    "bad_request": (400, "invalid_request_error", None),
+    "too_long": (400, "invalid_request_error", "context_length_exceeded"),
+    "overloaded": (429, "rate_limit_error", "overloaded"),
+    "duplicate_id": (409, "invalid_request_error", "duplicate_id"),
+    "internal": (500, "server_error", "internal_error"),
+    "unavailable": (503, "service_unavailable_error", "unavailable"),
+}
+
+
+def engine_error(code: ErrorCode, message: str, param: str | None = None) -> OpenAIError:
+    status, type_, openai_code = ENGINE_ERRORS.get(code, (500, "server_error", code))
+    if code == "bad_request" or code == "too_long":
+        return OpenAIError(status, message, type_, param, openai_code)
+    return OpenAIError(status, message, type_, None, openai_code)
+
+
+def from_request_error(e: RequestError, prompt_param: str) -> OpenAIError:
+    param = prompt_param if e.code == "too_long" or "prompt" in e.message else None
+    return engine_error(e.code, e.message, param)
+
+
+_MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)")
+
+
+# ---------------------------------------------------------------- requests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields common to completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    seed: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    """-1 or 0: off."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise OpenAIError(400, f"{name}={value} is not supported by this server (only 0)", param=name,
+                                  code="unsupported_parameter")
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported by this server", param="logit_bias",
+                              code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+        """The engine's parameters for one sample; `seed` already offset for this sample."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        fields = {"max_tokens": max_tokens, "min_tokens": self.min_tokens, "top_k": max(0, self.top_k or 0),
+                  "seed": seed, "stop": stop, "stop_token_ids": list(self.stop_token_ids or []),
+                  "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+                  "skip_special_tokens": self.skip_special_tokens}
+        if self.temperature is not None:
+            fields["temperature"] = self.temperature
+        if self.top_p is not None:
+            fields["top_p"] = self.top_p
+        try:
+            return msgspec.convert(fields, SamplingParams)
+        except msgspec.ValidationError as e:
+            m = _MSGSPEC_PATH.search(str(e))
+            raise OpenAIError(400, str(e), param=m.group(1) if m else None) from None
+
+    def check_params(self, params: SamplingParams, vocab_size: int) -> None:
+        try:
+            check_params(params, vocab_size)
+        except RequestError as e:
+            param = "min_tokens" if "min_tokens" in e.message else "stop_token_ids"
+            raise engine_error(e.code, e.message, param) from None
+
+
+Prompt = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported by this server", param="echo", code="unsupported_parameter")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported by this server", param="suffix",
+                              code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(400, f"best_of={self.best_of} is not supported (only best_of == n)", param="best_of",
+                              code="unsupported_parameter")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: a string, token ids, or a batch of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError(400, "the prompt is empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise OpenAIError(400, "tools are not supported by this server", param="tools",
+                              code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---------------------------------------------------------------- responses
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class LogprobFormatter:
+    """Token logprobs in the two shapes OpenAI uses (legacy completions, chat)."""
+
+    def __init__(self, token_text):
+        self.token_text = token_text
+        """token id -> its text (cached by the caller)."""
+
+    def completion(self, logprobs: list[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
+        """Legacy `logprobs` object of the completions API, and the text offset after it."""
+        tokens, offsets, tops = [], [], []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            top = {text: lp.logprob}
+            for tid, value in lp.top:
+                top.setdefault(self.token_text(tid), value)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
+                "text_offset": offsets}, offset
+
+    def chat(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(tid: int, value: float) -> dict[str, Any]:
+            text = self.token_text(tid)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs]}
+
+
+class CompletionShapes:
+    """Choices of /v1/completions, whole or as stream chunks."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, logprobs: LogprobFormatter | None):
+        self.logprobs = logprobs
+        self._offsets: dict[int, int] = {}
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if self.logprobs is None or logprobs is None:
+            return None
+        out, self._offsets[index] = self.logprobs.completion(logprobs, self._offsets.get(index, 0))
+        return out
+
+    def choice(self, index: int, c: Completion) -> dict[str, Any]:
+        return {"index": index, "text": c.text, "logprobs": self._logprobs(index, c.logprobs or []),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def chunk_choice(self, index: int, d: Delta) -> dict[str, Any]:
+        return {"index": index, "text": d.text, "logprobs": self._logprobs(index, d.logprobs or []),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+
+class ChatShapes:
+    """Choices of /v1/chat/completions, whole or as stream chunks."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, logprobs: LogprobFormatter | None):
+        self.logprobs = logprobs
+        self._started: set[int] = set()
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        return None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)
+
+    def choice(self, index: int, c: Completion) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.logprobs or []), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def chunk_choice(self, index: int, d: Delta) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": d.text}
+        if index not in self._started:  # the first chunk of a choice names the role
+            self._started.add(index)
+            delta = {"role": "assistant"} | delta
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(d.logprobs or []),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}

@@ -1,0 +1,112 @@
+"""CPU matmul kernels on SmolLM2's weight shapes, one table: which way of multiplying
+by a weight is fastest at each batch size (decode rows) in this run.
+
+Kernels: dense float32 and bfloat16 (`F.linear`), bfloat16 packed for oneDNN (the path
+meshserve uses for bf16 on CPU), int8 weight-only (`_weight_int8pack_mm`), int4
+weight-only with groups of 32 (`_weight_int4pack_mm_for_cpu`, the layout GGUF's Q4_1 maps
+onto), and int8 weights x int8 activations quantized per row on the fly (`_int_mm`).
+Median of several timed runs each; GB/s counts the weight bytes read once per call.
+
+    python scripts/bench_matmul.py [--rows 1 8 32 512] [--output FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def timed(fn, repeats: int = 5, calls: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls)
+    return statistics.median(runs)
+
+
+def kernels(weight: torch.Tensor):
+    """name -> (prepared state, fn(x_float32) -> y, weight bytes)."""
+    n, k = weight.shape
+    out = {}
+    w32, w16 = weight, weight.bfloat16()
+    out["fp32"] = (lambda x: F.linear(x, w32), n * k * 4)
+    xb_cache = {}
+
+    def bf16_input(x):
+        key = x.data_ptr()
+        if key not in xb_cache:
+            xb_cache[key] = x.bfloat16()
+        return xb_cache[key]
+
+    out["bf16"] = (lambda x: F.linear(bf16_input(x), w16), n * k * 2)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w16, 32)
+    out["bf16_packed"] = (lambda x: torch.ops.mkldnn._linear_pointwise(bf16_input(x), packed, None, "none", [], ""),
+                          n * k * 2)
+    scale = weight.abs().amax(dim=1) / 127
+    q8 = (weight / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+    scale16 = scale.bfloat16()
+    out["int8_weight_only"] = (lambda x: torch.ops.aten._weight_int8pack_mm(bf16_input(x), q8, scale16), n * k)
+    group = 32
+    grouped = weight.view(n, k // group, group)
+    lo, hi = grouped.amin(-1), grouped.amax(-1)
+    step = ((hi - lo) / 15).clamp(min=1e-8)
+    q4 = ((grouped - lo[..., None]) / step[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+    scales_zeros = torch.stack([step.t(), (lo + 8 * step).t()], dim=-1).contiguous().bfloat16()
+    out["int4_groups32"] = (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(bf16_input(x), packed4, group,
+                                                                                  scales_zeros), n * k // 2)
+    q8t = q8.t().contiguous()
+
+    def w8a8(x):
+        xs = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+        xq = (x / xs).round().clamp(-128, 127).to(torch.int8)
+        return torch._int_mm(xq, q8t).float() * xs * scale
+
+    out["w8a8_dynamic"] = (w8a8, n * k)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output", default="results/bench_matmul.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    results = []
+    for name, (n, k) in SHAPES.items():
+        weight = torch.randn(n, k) * 0.05
+        for kernel, (fn, nbytes) in kernels(weight).items():
+            for rows in args.rows:
+                x = torch.randn(rows, k)
+                try:
+                    seconds = timed(lambda: fn(x), calls=5 if name == "lm_head" else 20)
+                except RuntimeError as e:
+                    print(f"{name:8s} {kernel:17s} rows {rows:4d}: unavailable ({str(e)[:60]})")
+                    continue
+                row = {"shape": name, "kernel": kernel, "rows": rows, "us": seconds * 1e6,
+                       "weight_GBps": nbytes / seconds / 1e9, "GFLOPs": 2 * rows * n * k / seconds / 1e9}
+                results.append(row)
+                print(f"{name:8s} {kernel:17s} rows {rows:4d}: {row['us']:9.1f} us  {row['weight_GBps']:6.1f} GB/s  "
+                      f"{row['GFLOPs']:7.1f} GFLOP/s", flush=True)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
