@@ -10,13 +10,18 @@ import zmq
 import zmq.asyncio
 
 from meshserve.client.errors import MeshserveError, RequestTimeout
+from meshserve.client.frames import open_reply
 from meshserve.client.request import make_request
+from meshserve.comm.auth import FrameAuth
 from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
 
 
 class AsyncClient:
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0):
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0,
+                 secret: str | None = None):
+        """`secret`: the server's shared secret (server.secret), if it has one."""
         self.address, self.timeout = address, timeout
+        self._auth = FrameAuth(secret, "client")
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -35,7 +40,7 @@ class AsyncClient:
             raise MeshserveError("duplicate_id", f"request_id {req.request_id!r} is already in flight on this client",
                                  req.request_id)
         self._queues[req.request_id] = asyncio.Queue()
-        await self._sock.send(self._encoder.encode(req))
+        await self._sock.send(self._auth.seal(self._encoder.encode(req)))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
         if stream:
             return deltas
@@ -45,7 +50,7 @@ class AsyncClient:
         return completion
 
     async def abort(self, request_id: str) -> None:
-        await self._sock.send(self._encoder.encode(AbortRequest(request_id)))
+        await self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))))
 
     async def _deltas(self, request_id: str, timeout: float | None) -> AsyncIterator[Delta]:
         queue = self._queues[request_id]
@@ -70,7 +75,7 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         while True:
-            msg = self._decoder.decode(await self._sock.recv())
+            msg = open_reply(self._auth, self._decoder, await self._sock.recv())
             if msg.request_id is None:  # an error for a frame the server could not read: tell everyone
                 for q in self._queues.values():
                     q.put_nowait(msg)

@@ -47,6 +47,11 @@ def parse_slo(specs: list[str]) -> dict[str, float]:
     return out
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that carries an API key (--api-key: the server's server.api_key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def endpoint_url(url: str, endpoint: str) -> str:
     return url if urlsplit(url).path.rstrip("/").endswith("/completions") else url.rstrip("/") + endpoint
 
@@ -153,7 +158,8 @@ async def make_prompts(client: httpx.AsyncClient, target: Target, args) -> list[
 async def run_once(target: Target, prompts: list[BenchPrompt], rate: float, concurrency: int | None,
                    burstiness: float, seed: int, show_progress: bool, timeout: float) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency or 256)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=60.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=60.0), limits=limits,
+                                 headers=auth_headers(getattr(target.args, "api_key", None))) as client:
         gate = asyncio.Semaphore(concurrency) if concurrency else None
         bar = tqdm(total=len(prompts), disable=not show_progress, file=sys.stderr)
         rng = np.random.default_rng(seed + 1)
@@ -184,7 +190,8 @@ async def bench(args: argparse.Namespace) -> list[dict]:
     slo = parse_slo(args.slo or [])
     url = endpoint_url(args.url, args.endpoint)
     chat = url.rstrip("/").endswith("chat/completions")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=60.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=60.0),
+                                 headers=auth_headers(getattr(args, "api_key", None))) as client:
         model = args.model or await resolve_model(client, url)
         target = Target(url, model, chat, args)
         prompts = await make_prompts(client, target, args)

@@ -11,14 +11,19 @@ from collections.abc import Iterator, Sequence
 import zmq
 
 from meshserve.client.errors import MeshserveError, RequestTimeout
+from meshserve.client.frames import open_reply
 from meshserve.client.request import make_request
+from meshserve.comm.auth import FrameAuth
 from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
 
 
 class Client:
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0):
-        """`timeout`: seconds to wait for each message of a reply before giving up."""
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0,
+                 secret: str | None = None):
+        """`timeout`: seconds to wait for each message of a reply before giving up. `secret`:
+        the server's shared secret (server.secret), if it has one."""
         self.address, self.timeout = address, timeout
+        self._auth = FrameAuth(secret, "client")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -38,7 +43,7 @@ class Client:
             raise MeshserveError("duplicate_id", f"request_id {req.request_id!r} is already in flight on this client",
                                  req.request_id)
         self._pending[req.request_id] = collections.deque()
-        self._sock.send(self._encoder.encode(req))
+        self._sock.send(self._auth.seal(self._encoder.encode(req)))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
         if stream:
             return deltas
@@ -48,7 +53,7 @@ class Client:
         return completion
 
     def abort(self, request_id: str) -> None:
-        self._sock.send(self._encoder.encode(AbortRequest(request_id)))
+        self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))))
 
     def _deltas(self, request_id: str, timeout: float | None) -> Iterator[Delta]:
         finished = False
@@ -74,7 +79,7 @@ class Client:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._sock.poll(None if wait is None else int(wait * 1000)):
                 raise RequestTimeout(request_id, timeout)
-            msg = self._decoder.decode(self._sock.recv())
+            msg = open_reply(self._auth, self._decoder, self._sock.recv())
             if msg.request_id is None and isinstance(msg, ErrorReply):
                 raise MeshserveError(msg.code, msg.message)
             if msg.request_id in self._pending:

@@ -8,24 +8,38 @@ a tensor broadcast over the world's gloo group (torch.distributed carries tensor
 Start-up handshake: the driver publishes Hello until every rank has answered Ready, so
 no SUB socket can miss the first plan (PUB/SUB's slow-joiner problem). High-water marks
 are unlimited: plans are never dropped.
+
+With a shared secret (server.secret) every frame carries an HMAC tag (comm/auth.py). The
+driver's PULL socket accepts any peer that can reach it: a frame that does not open with
+the secret, or does not decode, is dropped with a (rate-limited) warning and the driver
+goes on. The SUB socket of a rank hears only the driver's PUB.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import torch
 import torch.distributed as dist
 import zmq
 
+from meshserve.comm.auth import DropLog, FrameAuth
 from meshserve.comm.messages import (ControlMessage, Hello, RankStats, Ready, StepResult, control_decoder,
                                      encoder, rank_decoder)
 
 ADDRESS_BYTES = 512
+MAX_RANK_FRAME_BYTES = 64 << 20
+"""ZeroMQ drops a connection to the driver's PULL socket that sends a larger frame (a step
+result of thousands of sequences with logprobs is a few MiB)."""
+POLL_SLICE_MS = 100
+
+log = logging.getLogger(__name__)
 
 
 class ControlPlaneError(RuntimeError):
@@ -65,7 +79,7 @@ def _bind_ephemeral(sock: zmq.Socket, host: str) -> str:
 class DriverChannel:
     """The driver's end. `host`: the address the other ranks reach the driver at."""
 
-    def __init__(self, host: str, world_size: int):
+    def __init__(self, host: str, world_size: int, secret: str | None = None):
         self.world_size = world_size
         self.session = uuid.uuid4().hex
         self._ctx = zmq.Context()
@@ -75,8 +89,13 @@ class DriverChannel:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_RANK_FRAME_BYTES)
         ip = socket.gethostbyname(host)
         self.addresses = f"{_bind_ephemeral(self._pub, ip)} {_bind_ephemeral(self._pull, ip)}"
+        log.info("control plane at %s (PUB) %s (PULL)%s", *self.addresses.split(),
+                 ", frames authenticated" if secret else "")
+        self._auth = FrameAuth(secret, "control")
+        self._dropped = DropLog(log)
         self._encoder, self._decoder = encoder(), rank_decoder()
         self.rank_stats: dict[int, RankStats] = {}
         """The latest counters of each other rank."""
@@ -84,7 +103,7 @@ class DriverChannel:
 
     def handshake(self, timeout: float) -> None:
         waiting = set(range(1, self.world_size))
-        hello = self._encoder.encode(Hello(self.session))
+        hello = self._auth.seal(self._encoder.encode(Hello(self.session)))
         deadline = time.monotonic() + timeout
         while waiting:
             if time.monotonic() > deadline:
@@ -97,13 +116,19 @@ class DriverChannel:
                     waiting.discard(msg.rank)
 
     def publish(self, msg: ControlMessage) -> None:
-        self._pub.send(self._encoder.encode(msg))
+        self._pub.send(self._auth.seal(self._encoder.encode(msg)))
 
-    def recv_result(self, timeout: float) -> StepResult:
+    def recv_result(self, timeout: float, check: Callable[[], None] | None = None) -> StepResult:
+        """The next step result; `check()` runs every POLL_SLICE_MS while waiting (it raises
+        to give up, e.g. once a rank is known dead)."""
+        deadline = time.monotonic() + timeout
         while not self._results:
-            if not self._pull.poll(int(timeout * 1000)):
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
                 raise ControlPlaneError(f"no step result from the sampling rank within {timeout:.0f} s")
-            self._take(self._pull.recv())
+            if self._pull.poll(POLL_SLICE_MS):
+                self._take(self._pull.recv())
         return self._results.popleft()
 
     def drain(self) -> None:
@@ -116,14 +141,22 @@ class DriverChannel:
         msg = self._decode(frame)
         if isinstance(msg, StepResult):
             self._results.append(msg)
-        elif isinstance(msg, RankStats):
+        elif isinstance(msg, RankStats) and 0 < msg.rank < self.world_size:
             self.rank_stats[msg.rank] = msg
 
     def _decode(self, frame: bytes):
+        """The message of a frame from a rank, or None (dropped, with a warning) if it does not
+        authenticate or decode: anyone who reaches the PULL socket can send one."""
+        payload = self._auth.open(frame)
+        if payload is None:
+            self._dropped("dropped an unauthenticated control-plane frame (%d bytes): a peer without "
+                          "server.secret, or with another one, reached the driver's PULL socket", len(frame))
+            return None
         try:
-            return self._decoder.decode(frame)
+            return self._decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ControlPlaneError(f"undecodable control-plane frame from a rank: {e}") from None
+            self._dropped("dropped an undecodable control-plane frame (%d bytes): %s", len(frame), e)
+            return None
 
     def close(self) -> None:
         self._pub.close()
@@ -134,9 +167,11 @@ class DriverChannel:
 class WorkerChannel:
     """A non-driver rank's end."""
 
-    def __init__(self, addresses: str, rank: int):
+    def __init__(self, addresses: str, rank: int, secret: str | None = None):
         pub_address, pull_address = addresses.split()
         self.rank = rank
+        self._auth = FrameAuth(secret, "control")
+        self._dropped = DropLog(log)
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 0)
@@ -152,13 +187,18 @@ class WorkerChannel:
         msg = self.recv(timeout, skip_hello=False)
         if not isinstance(msg, Hello):
             raise ControlPlaneError(f"rank {self.rank}: expected Hello first, got {type(msg).__name__}")
-        self._push.send(self._encoder.encode(Ready(self.rank, msg.session)))
+        self.session = msg.session
+        self._push.send(self._auth.seal(self._encoder.encode(Ready(self.rank, msg.session))))
 
     def recv(self, timeout: float | None = None, skip_hello: bool = True) -> ControlMessage:
         while True:
             if timeout is not None and not self._sub.poll(int(timeout * 1000)):
                 raise ControlPlaneError(f"rank {self.rank}: nothing from the driver within {timeout:.0f} s")
-            frame = self._sub.recv()
+            frame = self._auth.open(self._sub.recv())
+            if frame is None:
+                self._dropped("rank %d: dropped an unauthenticated control-plane frame (is server.secret the same "
+                              "on every node?)", self.rank)
+                continue
             try:
                 msg = self._decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -167,10 +207,10 @@ class WorkerChannel:
                 return msg
 
     def send_result(self, result: StepResult) -> None:
-        self._push.send(self._encoder.encode(result))
+        self._push.send(self._auth.seal(self._encoder.encode(result)))
 
     def send_stats(self, stats: RankStats) -> None:
-        self._push.send(self._encoder.encode(stats))
+        self._push.send(self._auth.seal(self._encoder.encode(stats)))
 
     def close(self) -> None:
         self._sub.close()

@@ -112,7 +112,8 @@ class Completion(Struct):
         return self
 
 
-ErrorCode = Literal["bad_request", "too_long", "overloaded", "duplicate_id", "internal", "unavailable"]
+ErrorCode = Literal["bad_request", "too_long", "overloaded", "duplicate_id", "internal", "unavailable",
+                    "unauthorized"]
 
 
 class ErrorReply(Struct, tag="error", frozen=True):

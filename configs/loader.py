@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from meshserve.configs.errors import ConfigError
-from meshserve.configs.schema import Config
+from meshserve.configs.schema import SECRET_KEYS, Config
 
 BUILTIN_SOURCE = "<builtin default>"
 
@@ -52,7 +52,8 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
         return f"{where}: unknown key"
     given = err.get("input")
-    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    secret = len(err["loc"]) >= 2 and err["loc"][0] == "server" and err["loc"][1] in SECRET_KEYS
+    shown = "" if isinstance(given, dict) or secret else f" (got {given!r})"
     return f"{where}: {err['msg']}{shown}"
 
 

@@ -11,7 +11,7 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from meshserve.configs.errors import ConfigError
@@ -111,6 +111,40 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_shards(d: Path) -> list[Path] | None:
+    """The shard files a sharded checkpoint's index names, or None without an index. The
+    index is data from the checkpoint: a shard must be a relative path inside `d` (no
+    absolute path, no `..`), so a checkpoint cannot make the server read other files."""
+    index = d / SAFETENSORS_INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+        raise ConfigError(f"{index}: weight_map must map tensor names to shard file names")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if not _inside(name):
+            raise ConfigError(f"{index}: weight_map names the shard {name!r}, which is not a file inside the model "
+                              f"directory {d} (shards must be relative paths without `..`)")
+    return [d / n for n in names]
+
+
+def _inside(name: str) -> bool:
+    """Whether `name` is a relative path that stays inside its directory, on any OS."""
+    if not name or "\x00" in name:
+        return False
+    for pure in (PurePosixPath(name), PureWindowsPath(name)):
+        if pure.is_absolute() or pure.anchor or ".." in pure.parts:
+            return False
+    return True
+
+
 def _from_hf_dir(d: Path) -> ModelInfo:
     cfg = json.loads((d / "config.json").read_text())
     model_type = cfg.get("model_type")
@@ -119,6 +153,7 @@ def _from_hf_dir(d: Path) -> ModelInfo:
     theta, scaling = _rope_params(cfg)
     heads = cfg["num_attention_heads"]
     eos = _eos_ids(cfg.get("eos_token_id"))
+    safetensors_shards(d)  # a bad index fails now, before any rank starts
     gen = d / "generation_config.json"
     if gen.is_file():
         eos = tuple(dict.fromkeys(eos + _eos_ids(json.loads(gen.read_text()).get("eos_token_id"))))

@@ -43,6 +43,7 @@ ENGINE_ERRORS: dict[str, tuple[int, str, str | None]] = {
     "duplicate_id": (409, "invalid_request_error", "duplicate_id"),
     "internal": (500, "server_error", "internal_error"),
     "unavailable": (503, "service_unavailable_error", "unavailable"),
+    "unauthorized": (401, "invalid_request_error", "invalid_api_key"),
 }
 
 

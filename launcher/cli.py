@@ -16,8 +16,9 @@ import yaml
 from meshserve.configs import ConfigError, load_config
 from meshserve.configs.memory import MemoryPlan, plan_memory
 from meshserve.configs.model_info import ModelInfo
-from meshserve.configs.schema import Config
+from meshserve.configs.schema import Config, redacted
 from meshserve.configs.validate import check_config
+from meshserve.launcher.env import api_key_from_environ, secrets_from_environ
 from meshserve.launcher.errors import StartupError
 
 
@@ -71,6 +72,8 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--url", required=True, help="server base URL (e.g. http://127.0.0.1:8000) or full endpoint URL")
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as `Authorization: Bearer KEY` (default: $MESHSERVE_API_KEY, if set)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[None], metavar="C",
                    help="most requests in flight (several values: a sweep)")
@@ -99,7 +102,7 @@ def _add_bench_parser(sub) -> None:
 
 def load(args: argparse.Namespace) -> tuple[Config, ModelInfo, MemoryPlan]:
     source = args.config or "<builtin default>"
-    config = load_config(args.config, args.overrides)
+    config = secrets_from_environ(load_config(args.config, args.overrides))
     info = check_config(config, source)
     return config, info, plan_memory(config, info, source)
 
@@ -110,7 +113,7 @@ def _mib(n: int) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     config, info, memory = load(args)
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).rstrip())
+    print(yaml.safe_dump(redacted(config), sort_keys=False).rstrip())
     print(f"# model: {info.architecture} ({info.format}) {info.num_hidden_layers} layers, hidden {info.hidden_size}, "
           f"{info.num_attention_heads} heads / {info.num_key_value_heads} KV heads, vocab {info.vocab_size}, "
           f"{info.num_parameters / 1e6:.1f}M parameters")
@@ -174,6 +177,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from meshserve.client.bench import run  # client-side code: httpx, no torch
 
+    if args.api_key is None:
+        args.api_key = api_key_from_environ()
     return run(args)
 
 

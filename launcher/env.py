@@ -1,5 +1,6 @@
 """The only place that reads (or writes) environment variables: the launchers' rank
-variables, the user's thread setting, and the socket interface for gloo/NCCL.
+variables, the user's thread setting, the socket interface for gloo/NCCL, and the server's
+secrets (MESHSERVE_SECRET, MESHSERVE_API_KEY).
 
 Who started this rank decides which variables describe it:
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from meshserve.configs.schema import ClusterConfig
+from meshserve.configs.schema import ClusterConfig, Config
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,26 @@ def cpu_threads(configured: int | None, local_world_size: int) -> int:
         return int(user)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size))
+
+
+SECRET_VARIABLES = {"secret": "MESHSERVE_SECRET", "api_key": "MESHSERVE_API_KEY"}
+"""server.<key> -> the variable that fills it when the config leaves it null."""
+
+
+def secrets_from_environ(config: Config) -> Config:
+    """`config` with server.secret and server.api_key taken from MESHSERVE_SECRET and
+    MESHSERVE_API_KEY where it leaves them null (an empty variable counts as unset). The
+    ranks `meshserve serve` starts inherit the variables, so each fills in the same values."""
+    found = {key: os.environ[var] for key, var in SECRET_VARIABLES.items()
+             if getattr(config.server, key) is None and os.environ.get(var)}
+    if not found:
+        return config
+    return config.model_copy(update={"server": config.server.model_copy(update=found)})
+
+
+def api_key_from_environ() -> str | None:
+    """MESHSERVE_API_KEY, for `meshserve bench --api-key`'s default."""
+    return os.environ.get(SECRET_VARIABLES["api_key"]) or None
 
 
 def set_cpu_threads_for_ranks(threads: int) -> None:

@@ -9,7 +9,6 @@ block-aligned, only the column blocks) of the shard, then dequantizing.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -23,7 +22,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 
 from meshserve.configs.gguf_meta import open_gguf
-from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.model_info import ModelInfo, safetensors_shards
 
 
 class CheckpointTensor(Protocol):
@@ -116,10 +115,9 @@ class GGUFTensor:
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / n for n in names]
+    shards = safetensors_shards(directory)  # refuses a shard outside the directory
+    if shards is not None:
+        return shards
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors files")

@@ -1,0 +1,302 @@
+"""Shared-secret frames (comm/auth.py) and the sockets that use them, in one process:
+seal/open against tampering and wrong secrets; the control plane and the heartbeats drop
+what does not authenticate or decode and keep working; the ZMQ frontend answers an
+unauthenticated client with "unauthorized" and nothing else, and serves one with the secret.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from meshserve.client import AsyncClient, Client, MeshserveError
+from meshserve.comm.auth import TAG_BYTES, DropLog, FrameAuth
+from meshserve.comm.control import ControlPlaneError, DriverChannel, WorkerChannel
+from meshserve.comm.heartbeat import Heartbeat, HeartbeatMonitor
+from meshserve.comm.messages import (Delta, ErrorReply, GenerateRequest, RankStats, StepPlan, StepResult, Usage,
+                                     encoder, server_decoder)
+from meshserve.engine.commands import AddCommand, Inbox
+from meshserve.engine.zmq_frontend import ZmqFrontend
+
+SECRET = "correct horse battery staple"
+
+
+# ------------------------------------------------------------------ seal / open
+
+
+def test_seal_open_round_trip():
+    auth = FrameAuth(SECRET, "client")
+    for payload in (b"", b"x", os.urandom(1000)):
+        sealed = auth.seal(payload)
+        assert len(sealed) == len(payload) + TAG_BYTES and sealed.startswith(payload)
+        assert auth.open(sealed) == payload
+    assert FrameAuth(SECRET.encode(), "client").open(auth.seal(b"abc")) == b"abc"  # bytes or str: same key
+
+
+def test_tampered_frames_do_not_open():
+    auth = FrameAuth(SECRET, "client")
+    sealed = auth.seal(b"some request payload")
+    for i in (0, 5, len(sealed) - TAG_BYTES - 1, len(sealed) - TAG_BYTES, len(sealed) - 1):
+        bad = bytearray(sealed)
+        bad[i] ^= 0x01
+        assert auth.open(bytes(bad)) is None, f"flipped byte {i}"
+    assert auth.open(sealed[:-1]) is None
+    assert auth.open(sealed + b"\0") is None
+    assert auth.open(sealed[:TAG_BYTES - 1]) is None  # shorter than a tag
+    assert auth.open(b"") is None
+    assert auth.open(b"some request payload") is None  # never sealed
+
+
+def test_wrong_secret_or_other_channel_does_not_open():
+    sealed = FrameAuth(SECRET, "client").seal(b"payload")
+    assert FrameAuth(SECRET + "!", "client").open(sealed) is None
+    assert FrameAuth(SECRET, "control").open(sealed) is None  # keys differ per channel
+    assert FrameAuth(None, "client").open(sealed) == sealed  # no secret: the frame as it is
+
+
+def test_no_secret_is_the_identity():
+    auth = FrameAuth(None, "control")
+    assert not auth.enabled and FrameAuth(SECRET, "control").enabled
+    assert auth.seal(b"abc") == b"abc" and auth.open(b"abc") == b"abc"
+    with pytest.raises(ValueError, match="empty"):
+        FrameAuth("", "control")
+
+
+def test_drop_log_is_rate_limited(caplog):
+    drop = DropLog(logging.getLogger("test.drop"), every=60.0)
+    with caplog.at_level(logging.WARNING, logger="test.drop"):
+        for i in range(100):
+            drop("dropped frame %d", i)
+    assert [r.getMessage() for r in caplog.records] == ["dropped frame 0"]
+    drop._last -= 61  # a minute later: one line, with the count
+    with caplog.at_level(logging.WARNING, logger="test.drop"):
+        drop("dropped frame %d", 100)
+    assert caplog.records[-1].getMessage() == "dropped frame 100 (and 99 more dropped since the last warning)"
+
+
+# ------------------------------------------------------------------ control plane
+
+
+def _garbage(rng: random.Random) -> tuple[list[bytes], list[bytes]]:
+    """Frames an unknown peer might send the driver's PULL socket: (undecodable ones,
+    well-formed messages)."""
+    enc = encoder()
+    result = enc.encode(StepResult(7, [1, 2], [3, 4]))
+    undecodable = [os.urandom(rng.randint(0, 300)) for _ in range(40)] + [
+        b"", result[:5], result[:-1], enc.encode([1, 2, 3]), enc.encode({"type": "result"}), b"\xdd\xff\xff\xff\xff",
+        b"\x91" * 5000, enc.encode(StepPlan(1, [], [], [])), enc.encode({"type": "stats", "rank": "x"}),
+    ]
+    return undecodable, [result, enc.encode(RankStats(1, 9.0, 9.0, 999))]
+
+
+def _connected(secret_driver, secret_worker, world_size=2):
+    driver = DriverChannel("127.0.0.1", world_size, secret=secret_driver)
+    worker = WorkerChannel(driver.addresses, 1, secret=secret_worker)
+    return driver, worker
+
+
+def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog):
+    driver, worker = _connected(SECRET, SECRET)
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PUSH)
+    rogue.setsockopt(zmq.LINGER, 0)
+    try:
+        t = threading.Thread(target=worker.handshake, args=(10,))
+        t.start()
+        driver.handshake(10)
+        t.join(10)
+        rogue.connect(driver.addresses.split()[1])
+        sealed = FrameAuth(SECRET, "control")
+        undecodable, wellformed = _garbage(random.Random(0))
+        # unsealed (even well-formed ones), and sealed garbage that does not decode; and a
+        # sealed RankStats of a rank that does not exist
+        frames = undecodable + wellformed + [sealed.seal(f) for f in undecodable]
+        frames.append(sealed.seal(encoder().encode(RankStats(99, 1.0, 1.0, 1))))
+        with caplog.at_level(logging.WARNING, logger="meshserve.comm.control"):
+            for f in frames:
+                rogue.send(f)
+            time.sleep(0.3)
+            driver.drain()  # drops them all, without raising
+            worker.send_stats(RankStats(1, 0.5, 1.0, 3))
+            worker.send_result(StepResult(1, [0], [42]))
+            assert driver.recv_result(10) == StepResult(1, [0], [42])
+        assert set(driver.rank_stats) == {1} and driver.rank_stats[1].steps == 3  # rank 99 was never recorded
+        assert any("dropped an unauthenticated control-plane frame" in r.getMessage() for r in caplog.records)
+        driver.publish(StepPlan(2, [], [], []))
+        assert worker.recv(10) == StepPlan(2, [], [], [])
+    finally:
+        rogue.close()
+        ctx.term()
+        worker.close()
+        driver.close()
+
+
+def test_control_plane_without_secret_drops_undecodable_frames():
+    driver, worker = _connected(None, None)
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PUSH)
+    rogue.setsockopt(zmq.LINGER, 0)
+    try:
+        t = threading.Thread(target=worker.handshake, args=(10,))
+        t.start()
+        driver.handshake(10)
+        t.join(10)
+        rogue.connect(driver.addresses.split()[1])
+        for f in _garbage(random.Random(1))[0]:  # no secret: a well-formed StepResult would be believed
+            rogue.send(f)
+        time.sleep(0.3)
+        driver.drain()
+        worker.send_result(StepResult(5, [0], [1]))
+        assert driver.recv_result(10).step_id == 5
+    finally:
+        rogue.close()
+        ctx.term()
+        worker.close()
+        driver.close()
+
+
+def test_rank_with_another_secret_never_joins():
+    driver, worker = _connected(SECRET, "another secret")
+    try:
+        with pytest.raises(ControlPlaneError, match="nothing from the driver"):
+            worker.handshake(1.0)  # every Hello was dropped
+        with pytest.raises(ControlPlaneError, match="no Ready from ranks"):
+            driver.handshake(0.5)
+    finally:
+        worker.close()
+        driver.close()
+
+
+# ------------------------------------------------------------------ heartbeats
+
+
+def test_heartbeats_need_the_secret():
+    """A peer that sends the right rank and session without the secret is not a heartbeat."""
+    failures: list[str] = []
+    driver = HeartbeatMonitor(0, 2, "session", 0.1, 1.0, failures.append, host="127.0.0.1", secret=SECRET)
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PUSH)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(driver.addresses.split()[1])
+    driver.start()
+    try:
+        forged = msgspec.msgpack.encode(Heartbeat(1, "session"))
+        deadline = time.monotonic() + 5
+        while not failures and time.monotonic() < deadline:
+            rogue.send(forged)
+            rogue.send(os.urandom(50))
+            rogue.send(FrameAuth(SECRET, "heartbeat").seal(b"\xc1garbage"))
+            time.sleep(0.05)
+        assert len(failures) == 1 and "rank 1 sent no heartbeat" in failures[0]
+    finally:
+        driver.stop()
+        rogue.close()
+        ctx.term()
+
+    failures.clear()
+    driver = HeartbeatMonitor(0, 2, "s2", 0.1, 1.0, failures.append, host="127.0.0.1", secret=SECRET)
+    rank1 = HeartbeatMonitor(1, 2, "s2", 0.1, 1.0, failures.append, addresses=driver.addresses, secret=SECRET)
+    driver.start()
+    rank1.start()
+    try:
+        time.sleep(2.0)
+        assert failures == [] and driver.failed is None and rank1.failed is None
+    finally:
+        rank1.stop()
+        driver.stop()
+
+
+# ------------------------------------------------------------------ the ZMQ frontend
+
+
+class _Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+
+@pytest.fixture
+def frontend():
+    inbox = Inbox()
+    fe = ZmqFrontend("tcp://127.0.0.1:0", inbox, _Tokenizer(), vocab_size=100, max_model_len=64, secret=SECRET)
+    fe.start()
+    stop = threading.Event()
+
+    def engine():  # answers every request with one sealed Delta
+        while not stop.is_set():
+            try:
+                cmd = inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(cmd, AddCommand):
+                fe.send(cmd.key, Delta(cmd.request_id, "ok", [1], "length", usage=Usage(len(cmd.prompt_ids), 1)))
+
+    t = threading.Thread(target=engine, daemon=True)
+    t.start()
+    yield fe
+    stop.set()
+    t.join(5)
+    fe.close()
+
+
+def test_frontend_refuses_clients_without_the_secret(frontend):
+    for secret in (None, "wrong secret"):
+        with Client(frontend.address, timeout=10, secret=secret) as c:
+            with pytest.raises(MeshserveError) as e:
+                c.generate("hello", max_tokens=1, request_id="r1")
+            assert e.value.code == "unauthorized" and e.value.request_id == "r1"
+    with Client(frontend.address, timeout=10, secret=SECRET) as c:
+        out = c.generate("hello", max_tokens=1)
+        assert (out.text, out.token_ids, out.finish_reason) == ("ok", [1], "length")
+
+
+def test_async_client_with_and_without_the_secret(frontend):
+    import asyncio
+
+    async def run(secret):
+        async with AsyncClient(frontend.address, timeout=10, secret=secret) as c:
+            return await c.generate("hi", max_tokens=1)
+
+    assert asyncio.run(run(SECRET)).text == "ok"
+    with pytest.raises(MeshserveError, match="unauthorized"):
+        asyncio.run(run(None))
+
+
+def test_frontend_answers_raw_garbage_with_unauthorized_only(frontend):
+    """Random frames, well-formed unsealed requests and multipart messages: one unsealed
+    "unauthorized" reply each, nothing decoded, nothing reaching the engine."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(frontend.address)
+    decoder = server_decoder()
+    rng = random.Random(2)
+    request = encoder().encode(GenerateRequest("raw-1", prompt="hi"))
+    messages = [[os.urandom(rng.randint(0, 200))] for _ in range(30)] + [[request], [request, b"x"], [b"", b""]]
+    try:
+        for m in messages:
+            sock.send_multipart(m)
+        replies = []
+        while len(replies) < len(messages) and sock.poll(5000):
+            replies.append(decoder.decode(sock.recv()))  # unsealed: decodes without the secret
+        assert len(replies) == len(messages)
+        assert all(isinstance(r, ErrorReply) and r.code == "unauthorized" for r in replies)
+        assert replies[30].request_id == "raw-1"
+        # sealed garbage passes the tag and fails decoding: a sealed bad_request
+        sealed = FrameAuth(SECRET, "client")
+        sock.send(sealed.seal(b"\x92\x01\x02"))
+        assert sock.poll(5000)
+        reply = decoder.decode(sealed.open(sock.recv()))
+        assert reply.code == "bad_request"
+    finally:
+        sock.close()
+        ctx.term()
+    with Client(frontend.address, timeout=10, secret=SECRET) as c:
+        assert c.generate("still serving", max_tokens=1).text == "ok"
