@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from meshserve.comm.failure import FailureSignal, RankFailure
 from meshserve.comm.groups import AxisGroup
 
 SPINS_BEFORE_YIELD = 64
@@ -50,6 +51,9 @@ class ShmCommunicator:
         self._slots = buf[:data_bytes].view(2, self.size, slot_bytes)
         self._flags = buf[data_bytes:].view(torch.int64)
         self._flags_np = self._flags.numpy()
+        self.failure: FailureSignal | None = None
+        """Set by the rank once its failure signal exists: a collective waiting on a peer
+        stops with RankFailure as soon as the world is known to be broken."""
 
     def attached(self, path_name: str) -> None:
         """Once every member has mapped the segment: remove its name, so nothing leaks
@@ -84,6 +88,8 @@ class ShmCommunicator:
             spins += 1
             if spins % SPINS_BEFORE_YIELD == 0:
                 os.sched_yield()
+                if self.failure is not None and self.failure.is_set():
+                    raise RankFailure(f"shared-memory collective #{call} abandoned: {self.failure.reason}")
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
                 if now > deadline:

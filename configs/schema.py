@@ -7,9 +7,10 @@ derived elsewhere and are never fields here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import (BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator,
+                      model_validator)
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 
@@ -76,6 +77,8 @@ class SchedulerConfig(Section):
     """Token budget of one step: prefill chunks plus one token per decoding sequence."""
     max_waiting: PositiveInt = 4096
     """Most requests queued before admission refuses new ones."""
+    max_waiting_tokens: PositiveInt = 1 << 20
+    """Most prompt tokens queued (not yet computed) before admission refuses new requests."""
 
 
 class MetricsConfig(Section):
@@ -105,6 +108,12 @@ class ServerConfig(Section):
     model_name: str | None = None
     """The `model` name HTTP clients use; default: model.path."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    secret: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
+    """Shared secret: an HMAC tag on every ZMQ frame, between clients and the server and between
+    the ranks (control plane, heartbeats). Null: none (env MESHSERVE_SECRET fills it)."""
+    api_key: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
+    """HTTP: /v1/* needs `Authorization: Bearer <api_key>`. Null: open (env MESHSERVE_API_KEY
+    fills it)."""
 
     @field_validator("http")
     @classmethod
@@ -122,6 +131,19 @@ class ServerConfig(Section):
         if not v.startswith(("tcp://", "ipc://")):
             raise ValueError(f"zmq address {v!r} must start with tcp:// or ipc://")
         return v
+
+
+SECRET_KEYS = ("secret", "api_key")
+"""Keys of `server` never printed: `meshserve check` and config errors show "***"."""
+
+
+def redacted(config: "Config") -> dict[str, Any]:
+    """The config as plain data (JSON types), with the secrets masked as "***"."""
+    data = config.model_dump(mode="json")
+    for key in SECRET_KEYS:
+        if data["server"].get(key) is not None:
+            data["server"][key] = "***"
+    return data
 
 
 class ClusterConfig(Section):
@@ -147,6 +169,18 @@ class ClusterConfig(Section):
     """Seconds to wait for every node and rank to join (rendezvous, process-group start-up)."""
     handshake_timeout: PositiveInt = 120
     """Seconds the driver waits for every rank's control-plane Ready (after loading weights)."""
+    heartbeat_interval: PositiveFloat = 1.0
+    """Seconds between the heartbeats every rank sends on the control plane."""
+    failure_timeout: PositiveFloat = 10.0
+    """Seconds without a heartbeat before a rank counts as dead: the driver fails every
+    in-flight request and every rank exits (non-zero)."""
+
+    @model_validator(mode="after")
+    def _heartbeats_fit(self):
+        if self.failure_timeout < 3 * self.heartbeat_interval:
+            raise ValueError(f"cluster.failure_timeout={self.failure_timeout:g} must be at least 3 x "
+                             f"cluster.heartbeat_interval={self.heartbeat_interval:g} (a late beat is not a death)")
+        return self
 
 
 class Config(Section):

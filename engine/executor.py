@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Protocol
 
 from meshserve.comm.control import DriverChannel
+from meshserve.comm.failure import FailureSignal
 from meshserve.comm.messages import RankStats, Shutdown, StepPlan, StepResult
 from meshserve.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -20,6 +24,9 @@ class Executor(Protocol):
     def rank_stats(self) -> dict[int, RankStats]:
         """The latest counters of every rank (pipeline stage occupancy)."""
 
+    failure: FailureSignal
+    """Triggered once the ranks can no longer serve (comm/failure.py)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -29,6 +36,7 @@ class LocalExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.started = time.monotonic()
+        self.failure = FailureSignal()
 
     def submit(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
@@ -47,8 +55,10 @@ class DistributedExecutor:
     """World size > 1: the driver publishes each plan to every rank, runs its own shard,
     and takes the tokens from the sampling rank (itself, or over the control plane)."""
 
-    def __init__(self, runner: ModelRunner, channel: DriverChannel, result_timeout: float):
+    def __init__(self, runner: ModelRunner, channel: DriverChannel, result_timeout: float, failure: FailureSignal):
         self.runner, self.channel, self.result_timeout = runner, channel, result_timeout
+        self.failure = failure
+        """Set when a rank is known dead: waiting for a result gives up at once."""
         self.control_seconds = 0.0
         """Publishing plans and waiting for the sampling rank's tokens after our own shard ran."""
         self.started = time.monotonic()
@@ -70,10 +80,14 @@ class DistributedExecutor:
             self.channel.drain()
             return handle
         start = time.perf_counter()
-        result = self.channel.recv_result(self.result_timeout)
+        while True:
+            result = self.channel.recv_result(self.result_timeout, check=self.failure.check)
+            if result.step_id == handle:
+                break
+            # NOTE: without server.secret anyone reaching the PULL socket can send a result;
+            # the sampling rank answers steps in order, so another step id is not from it.
+            log.warning("dropped a step result for step %d while waiting for step %d", result.step_id, handle)
         self.control_seconds += time.perf_counter() - start
-        if result.step_id != handle:
-            raise RuntimeError(f"the sampling rank answered step {result.step_id}, expected step {handle}")
         return result
 
     def shutdown(self) -> None:

@@ -10,12 +10,14 @@ belongs to. A client that disconnects, streaming or not, gets its engine request
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters (FastAPI's 422 included) and prompts that are too long, 404 for an unknown model
 or path, 413 for a body over MAX_BODY_BYTES, 429 when the scheduler's queue is full, 503
-while the server drains or once it stopped.
+while the server drains or once it stopped. With an API key (server.api_key) every path but
+OPEN_PATHS needs `Authorization: Bearer <key>`, else 401.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import socket
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics")
+"""Paths that need no API key."""
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions (chat defaults to the rest of the context)."""
 
@@ -59,6 +63,10 @@ DISCONNECTED = _Disconnected()
 
 class ClientDisconnected(Exception):
     """The client went away before the response started."""
+
+
+class BodyTooLarge(Exception):
+    """A body sent without Content-Length (chunked) grew past MAX_BODY_BYTES while read."""
 
 
 def bind_socket(address: str) -> socket.socket:
@@ -123,7 +131,8 @@ class HttpFrontend:
     tag = "http"
 
     def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 model_name: str, registry: CollectorRegistry | None = None):
+                 model_name: str, registry: CollectorRegistry | None = None, api_key: str | None = None):
+        """`api_key`: every path but OPEN_PATHS needs `Authorization: Bearer <api_key>`."""
         self.inbox, self.tokenizer = inbox, tokenizer
         self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -131,6 +140,8 @@ class HttpFrontend:
         self.error: BaseException | None = None
         self.stopped = False
         """Set by close(): /health answers 503 from then on."""
+        self.failure: str | None = None
+        """Why the engine died (fail()): /health answers 503 with it."""
         self._sock = bind_socket(address)
         host, port = self._sock.getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -142,7 +153,7 @@ class HttpFrontend:
                                   registry=self.registry)
         self.app = build_app(self)
         self._server = uvicorn.Server(uvicorn.Config(
-            _CountingApp(self.app, self._responses), log_level="warning", access_log=False, lifespan="off",
+            _CountingApp(self.app, self._responses, api_key), log_level="warning", access_log=False, lifespan="off",
             timeout_graceful_shutdown=5, timeout_keep_alive=30))
         self._thread = threading.Thread(target=self._serve, name="meshserve-http", daemon=True)
 
@@ -157,6 +168,14 @@ class HttpFrontend:
             self._loop.call_soon_threadsafe(self._deliver, key, message)
         except RuntimeError:  # the loop is closed: the server is stopping, nobody is listening
             pass
+
+    def fail(self, keys: list[Hashable], message: str) -> None:
+        """The engine is dead: /health answers 503, new requests are refused, and every
+        waiting handler gets an `unavailable` error (any thread)."""
+        self.failure = message
+        self.accepting = False
+        for key in keys:
+            self.send(key, ErrorReply(None, "unavailable", message))
 
     def close(self) -> None:
         self.stopped = True
@@ -357,6 +376,8 @@ class HttpFrontend:
                                             "owned_by": "meshserve", "max_model_len": self.max_model_len}]}
 
     def health(self) -> tuple[int, dict[str, str]]:
+        if self.failure is not None:
+            return 503, {"status": "failed", "reason": self.failure}
         if self.stopped:
             return 503, {"status": "stopped"}
         if not self.accepting:
@@ -390,11 +411,16 @@ async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
 
 
 class _CountingApp:
-    """ASGI wrapper: counts responses by path and status, and refuses oversized bodies (413)
-    before anything reads them."""
+    """ASGI wrapper: counts responses by path and status, checks the API key (401), and
+    refuses oversized bodies (413) before anything reads them."""
 
-    def __init__(self, app, counter: Counter):
+    def __init__(self, app, counter: Counter, api_key: str | None = None):
         self.app, self.counter = app, counter
+        self._api_key = None if api_key is None else api_key.encode()
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._api_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -406,12 +432,29 @@ class _CountingApp:
                 self.counter.labels(path, str(message["status"])).inc()
             await send(message)
 
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        if self._api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+            err = OpenAIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` with the key of "
+                                   "server.api_key", code="invalid_api_key")
+            return await JSONResponse(err.body(), err.status, headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, counting_send)
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             err = OpenAIError(413, f"the request body has {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
                               code="request_too_large")
             return await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
-        await self.app(scope, receive, counting_send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, counting_send)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -438,6 +481,14 @@ def build_app(frontend: HttpFrontend) -> FastAPI:
     async def _openai_error(request: Request, exc: OpenAIError):
         return JSONResponse(exc.body(), exc.status)
 
+    def _too_large() -> JSONResponse:
+        err = OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(request: Request, exc: BodyTooLarge):
+        return _too_large()
+
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
@@ -449,6 +500,8 @@ def build_app(frontend: HttpFrontend) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if isinstance(exc.__cause__, BodyTooLarge):  # FastAPI wraps errors of the body read in a 400
+            return _too_large()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
         return JSONResponse(err.body(), err.status, headers=getattr(exc, "headers", None))

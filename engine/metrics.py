@@ -65,6 +65,9 @@ def measure_roofline(dtype, device: str, world_size: int, peak_flops: float | No
     return Roofline(peak_flops, memory_bandwidth, f"measured {', '.join(measured)}" if measured else "config")
 
 
+RANK_STATS_INTERVAL_S = 1.0
+
+
 @dataclass
 class _Times:
     arrival: float
@@ -106,9 +109,18 @@ class EngineMetrics:
                          registry=r)
         self.peak_flops = Gauge(PREFIX + "peak_flops", "The FLOP/s behind MFU", registry=r)
         self.peak_bandwidth = Gauge(PREFIX + "peak_memory_bandwidth_bytes", "The bytes/s behind MBU", registry=r)
+        self.rank_busy = Gauge(PREFIX + "rank_busy_ratio", "Fraction of wall time each rank computes its shard "
+                               "(pipeline stage occupancy)", ["rank"], registry=r)
+        self.rank_busy_seconds = Gauge(PREFIX + "rank_busy_seconds", "Seconds each rank has computed its shard "
+                                       "(grows like a counter: rate() over a window is the recent occupancy)",
+                                       ["rank"], registry=r)
+        self.rank_memory = Gauge(PREFIX + "rank_resident_memory_bytes", "Resident memory of each rank", ["rank"],
+                                 registry=r)
         self._cost: ModelCost | None = None
         self._roofline: Roofline | None = None
         self._times: dict[int, _Times] = {}
+        self._engine: Engine | None = None
+        self._ranks_read = 0.0
 
     def attach(self, engine: Engine, cost: ModelCost | None = None, roofline: Roofline | None = None) -> None:
         """Observe `engine`. Gauges of its queues read it when scraped (len() is atomic)."""
@@ -121,6 +133,7 @@ class EngineMetrics:
             self.peak_flops.set(roofline.peak_flops)
             self.peak_bandwidth.set(roofline.memory_bandwidth)
         engine.observer = self
+        self._engine = engine
 
     # ------------------------------------------------------------------ EngineObserver
 
@@ -161,6 +174,10 @@ class EngineMetrics:
     def on_step(self, batch: ScheduledBatch, context_lens: list[int], seconds: float) -> None:
         self.steps.inc()
         self.step_seconds.inc(seconds)
+        now = time.monotonic()
+        if self._engine is not None and now - self._ranks_read >= RANK_STATS_INTERVAL_S:
+            self._ranks_read = now
+            self._read_ranks()
         if self._cost is None:
             return
         cost = self._cost
@@ -172,6 +189,16 @@ class EngineMetrics:
         if self._roofline is not None and seconds > 0:
             self.mfu.set(flops / seconds / self._roofline.peak_flops)
             self.mbu.set(nbytes / seconds / self._roofline.memory_bandwidth)
+
+
+    def _read_ranks(self) -> None:
+        """Every rank's occupancy and memory, from the counters they send the driver (read
+        on the step loop's thread, which owns the control plane)."""
+        for rank, stats in self._engine.executor.rank_stats().items():
+            self.rank_busy_seconds.labels(str(rank)).set(stats.busy_seconds)
+            if stats.wall_seconds > 0:
+                self.rank_busy.labels(str(rank)).set(stats.busy_seconds / stats.wall_seconds)
+            self.rank_memory.labels(str(rank)).set(stats.rss_bytes)
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

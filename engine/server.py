@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from typing import NoReturn
 
 from meshserve.comm.messages import ErrorReply
 from meshserve.engine.engine import Engine
@@ -17,8 +18,12 @@ log = logging.getLogger(__name__)
 
 
 class Server:
-    def __init__(self, engine: Engine, inbox: Inbox, frontends: list[Frontend], max_waiting: int):
+    def __init__(self, engine: Engine, inbox: Inbox, frontends: list[Frontend], max_waiting: int,
+                 max_waiting_tokens: int):
+        """Admission is bounded: at most `max_waiting` requests and `max_waiting_tokens`
+        uncomputed prompt tokens wait; beyond that a request is refused at once (overloaded)."""
         self.engine, self.inbox, self.max_waiting = engine, inbox, max_waiting
+        self.max_waiting_tokens = max_waiting_tokens
         self.frontends = {f.tag: f for f in frontends}
         self.stop_requested = threading.Event()
 
@@ -31,7 +36,10 @@ class Server:
         for frontend in self.frontends.values():
             frontend.start()
         deadline = None
+        failure = self.engine.executor.failure
         while True:
+            if failure.is_set():  # the failure reactions answer the clients and end the process
+                _park()
             for frontend in self.frontends.values():
                 if frontend.error is not None:
                     raise RuntimeError(f"the {frontend.tag} frontend died") from frontend.error
@@ -45,12 +53,46 @@ class Server:
             for cmd in self._commands(block=not self.engine.has_work()):
                 self._handle(cmd)
             if self.engine.has_work():
-                for key, delta in self.engine.step():
+                try:
+                    replies = self.engine.step()
+                except Exception as e:  # a rank died mid-step, or the step itself failed
+                    self._give_up(e)
+                for key, delta in replies:
                     self.send(key, delta)
         for key in list(self.engine.requests):
             delta = self.engine.abort(key)
             if delta is not None:
                 self.send(key, delta)
+
+    def _give_up(self, error: Exception) -> NoReturn:
+        """The engine cannot go on: report it and wait for the failure reactions (which fail
+        every request and end the process; see fail())."""
+        failure = self.engine.executor.failure
+        if failure.trigger(f"a step failed: {type(error).__name__}: {error}"):
+            log.exception("the step failed")
+        _park()
+
+    def fail(self, reason: str) -> None:
+        """From any thread, once the engine is dead: refuse new requests, and answer every
+        request in flight or queued with an error naming `reason`."""
+        message = f"the server failed and is exiting: {reason}"
+        for frontend in self.frontends.values():
+            frontend.accepting = False
+        keys = set()
+        for _ in range(10):  # the step loop may still be changing the dict
+            try:
+                keys.update(self.engine.requests)
+                break
+            except RuntimeError:
+                continue
+        for cmd in self._commands(block=False):
+            if isinstance(cmd, AddCommand):
+                keys.add(cmd.key)
+        by_frontend: dict[str, list] = {}
+        for key in keys:
+            by_frontend.setdefault(key[0], []).append(key)
+        for tag, frontend in self.frontends.items():
+            frontend.fail(by_frontend.get(tag, []), message)
 
     def _commands(self, block: bool) -> list[Command]:
         cmds = []
@@ -73,9 +115,21 @@ class Server:
 
     def _add(self, cmd: AddCommand) -> None:
         try:
-            if len(self.engine.scheduler.waiting) >= self.max_waiting:
-                raise RequestError("overloaded", f"{len(self.engine.scheduler.waiting)} requests are waiting "
+            waiting = self.engine.scheduler.waiting
+            if len(waiting) >= self.max_waiting:
+                raise RequestError("overloaded", f"{len(waiting)} requests are waiting "
                                                  f"(scheduler.max_waiting={self.max_waiting}); retry later")
+            tokens = sum(seq.num_uncomputed for seq in waiting)
+            if tokens and tokens + len(cmd.prompt_ids) > self.max_waiting_tokens:
+                raise RequestError("overloaded", f"{tokens} prompt tokens are waiting and this request adds "
+                                                 f"{len(cmd.prompt_ids)} (scheduler.max_waiting_tokens="
+                                                 f"{self.max_waiting_tokens}); retry later")
             self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream)
         except RequestError as e:
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))
+
+
+def _park() -> NoReturn:
+    """Leave the step loop to the failure reactions, which end the process."""
+    while True:
+        time.sleep(3600)

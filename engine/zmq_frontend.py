@@ -4,17 +4,23 @@ The I/O thread decodes and validates each frame, tokenizes prompts, and hands ty
 commands to the step loop through a queue. Replies go the other way through an inproc
 PUSH/PULL pair, so only the I/O thread ever touches the ROUTER socket. A bad frame gets
 an ErrorReply for that frame alone; nothing else is affected.
+
+With server.secret every frame carries an HMAC tag (comm/auth.py), both ways. A frame that
+does not open with the secret gets an "unauthorized" ErrorReply, unsealed (its sender could
+not read a sealed one), and nothing else: it is never decoded as a request.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from typing import Hashable
 
 import msgspec
 import zmq
 
+from meshserve.comm.auth import TAG_BYTES, DropLog, FrameAuth
 from meshserve.comm.messages import AbortRequest, ErrorCode, ErrorReply, GenerateRequest, client_decoder, encoder
 from meshserve.engine.commands import AbortCommand, AddCommand, Inbox
 from meshserve.engine.tokenizer import Tokenizer
@@ -31,13 +37,16 @@ MAX_FRAME_BYTES = 256 << 20
 class ZmqFrontend:
     tag = "zmq"
 
-    def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 secret: str | None = None):
         self.address = address
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.inbox = inbox
         self.accepting = True
         self._ctx = zmq.Context()
         self._encoder = encoder()
+        self._auth = FrameAuth(secret, "client")
+        self._refused = DropLog(log)
         self._out_address = f"inproc://meshserve-replies-{id(self)}"
         self._push = self._ctx.socket(zmq.PUSH)  # used by the step-loop thread only
         self._push.bind(self._out_address)
@@ -54,6 +63,8 @@ class ZmqFrontend:
         if address.startswith("tcp://") and address.endswith(":0"):
             self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
+        self._failed: queue.SimpleQueue = queue.SimpleQueue()
+        """(identity, ErrorReply) to send from the I/O thread: fail() may run on any thread."""
         self.error: BaseException | None = None
         """Set if the I/O thread died; the step loop then stops the server."""
         self._thread = threading.Thread(target=self._io_thread, name="meshserve-frontend", daemon=True)
@@ -64,7 +75,13 @@ class ZmqFrontend:
     def send(self, key: Hashable, message: msgspec.Struct) -> None:
         """Queue a reply to the client behind `key` (called from the step loop)."""
         identity = key[1]
-        self._push.send_multipart([identity, self._encoder.encode(message)])
+        self._push.send_multipart([identity, self._auth.seal(self._encoder.encode(message))])
+
+    def fail(self, keys: list[Hashable], message: str) -> None:
+        """Answer each of `keys` with an `unavailable` error (any thread; the I/O thread sends)."""
+        self.accepting = False
+        for key in keys:
+            self._failed.put((key[1], ErrorReply(key[2], "unavailable", message)))
 
     def close(self) -> None:
         self._stop.set()
@@ -94,6 +111,7 @@ class ZmqFrontend:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(50))
+                self._send_failed()
                 if pull in events:
                     while True:
                         try:
@@ -108,6 +126,7 @@ class ZmqFrontend:
                             break
                         self._on_frames(frames, decoder)
         finally:
+            self._send_failed()
             while True:  # flush replies queued before the stop
                 try:
                     self._router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
@@ -116,22 +135,43 @@ class ZmqFrontend:
             pull.close(linger=0)
             self._router.close(linger=1000)
 
-    def _reply_error(self, identity: bytes, request_id: str | None, code: ErrorCode, message: str) -> None:
-        self._router.send_multipart([identity, self._encoder.encode(ErrorReply(request_id, code, message))])
+    def _send_failed(self) -> None:
+        while True:
+            try:
+                identity, reply = self._failed.get_nowait()
+            except queue.Empty:
+                return
+            self._router.send_multipart([identity, self._auth.seal(self._encoder.encode(reply))])
+
+    def _reply_error(self, identity: bytes, request_id: str | None, code: ErrorCode, message: str,
+                     sealed: bool = True) -> None:
+        """`sealed=False`: a reply to a frame that did not authenticate (clients accept an unsealed
+        ErrorReply: it can refuse a request, never deliver output)."""
+        reply = self._encoder.encode(ErrorReply(request_id, code, message))
+        self._router.send_multipart([identity, self._auth.seal(reply) if sealed else reply])
 
     def _on_frames(self, frames: list[bytes], decoder: msgspec.msgpack.Decoder) -> None:
         identity = frames[0]
         if len(frames) != 2:
-            self._reply_error(identity, None, "bad_request", f"expected one message frame, got {len(frames) - 1}")
+            if self._auth.enabled:
+                self._refuse(identity, None, f"{len(frames) - 1} frames")
+            else:
+                self._reply_error(identity, None, "bad_request", f"expected one message frame, got {len(frames) - 1}")
             return
+        # NOTE: the size before the tag: checking a tag hashes the whole frame (up to MAX_FRAME_BYTES).
         if len(frames[1]) > MAX_REQUEST_BYTES:
             self._reply_error(identity, None, "too_long",
-                              f"the message has {len(frames[1])} bytes; the limit is {MAX_REQUEST_BYTES}")
+                              f"the message has {len(frames[1])} bytes; the limit is {MAX_REQUEST_BYTES}",
+                              sealed=False)
+            return
+        payload = self._auth.open(frames[1])
+        if payload is None:
+            self._refuse(identity, frames[1], f"{len(frames[1])} bytes")
             return
         try:
-            msg = decoder.decode(frames[1])
+            msg = decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._reply_error(identity, _guess_request_id(frames[1]), "bad_request", f"malformed message: {e}")
+            self._reply_error(identity, _guess_request_id(payload), "bad_request", f"malformed message: {e}")
             return
         if isinstance(msg, AbortRequest):
             self.inbox.put(AbortCommand((self.tag, identity, msg.request_id)))
@@ -144,6 +184,14 @@ class ZmqFrontend:
             log.exception("request %s failed validation", msg.request_id)
             self._reply_error(identity, msg.request_id, "internal", f"{type(e).__name__}: {e}")
 
+    def _refuse(self, identity: bytes, frame: bytes | None, what: str) -> None:
+        self._refused("refused an unauthenticated client frame (%s)", what)
+        # the request id, if the frame is a request sent without the secret or with another one
+        request_id = None if frame is None else _guess_request_id(frame) or _guess_request_id(frame[:-TAG_BYTES])
+        self._reply_error(identity, request_id, "unauthorized",
+                          "the frame is not authenticated: this server needs its shared secret (server.secret; "
+                          "Client(..., secret=...))", sealed=False)
+
     def _admit(self, identity: bytes, req: GenerateRequest) -> AddCommand:
         if not self.accepting:
             raise RequestError("unavailable", "the server is shutting down and accepts no new requests")
@@ -155,7 +203,7 @@ def _guess_request_id(payload: bytes) -> str | None:
     """The request_id of a frame that failed validation, if it has one, for the error reply."""
     try:
         obj = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     rid = obj.get("request_id") if isinstance(obj, dict) else None
     return rid if isinstance(rid, str) else None

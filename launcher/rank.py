@@ -5,12 +5,17 @@ scheduler, frontend, step loop) or follow the driver's plans."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import time
 from typing import Protocol
 
 import torch
 
 from meshserve.comm.control import DriverChannel, WorkerChannel, broadcast_text
+from meshserve.comm.failure import FailureSignal
+from meshserve.comm.heartbeat import HeartbeatMonitor
 from meshserve.configs.memory import MemoryPlan, stage_layers
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
@@ -28,6 +33,10 @@ from meshserve.parallel.topology import Groups
 log = logging.getLogger("meshserve")
 
 RESULT_TIMEOUT_S = 600.0
+EXIT_RANK_FAILURE = 1
+DRIVER_EXIT_BACKSTOP_S = 5.0
+"""After a failure the driver exits within this, whatever its mode is doing (serving
+answers its clients and exits sooner)."""
 
 
 class DriverMode(Protocol):
@@ -74,38 +83,85 @@ def run_in_world(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankE
 def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
     tokenizer = Tokenizer(info, config.model.tokenizer)
     mode.prepare(config, tokenizer, info, memory)
-    channel = None
+    channel = monitor = None
+    failure = FailureSignal()
     if groups.world_size > 1:
         # NOTE: the control plane faces the other nodes: it binds on cluster.interface when set
         # (clients reach the driver where server.zmq says, not here).
         host = interface_address(config.cluster.interface) if config.cluster.interface else env.master_addr
-        channel = DriverChannel(host, groups.world_size)
-        broadcast_text(channel.addresses, src=0)
+        channel = DriverChannel(host, groups.world_size, secret=config.server.secret)
+        monitor = _monitor(config, groups, channel.session, failure, host=socket.gethostbyname(host))
+        broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
                          layer_counts=stage_layers(config, info), kernels=config.device.kernels)
     if channel is None:
         executor = LocalExecutor(runner)
+        failure = executor.failure
     else:
         channel.handshake(config.cluster.handshake_timeout)
-        executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S)
+        executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S, failure)
+        _watch(groups, failure, monitor)
+        failure.on_failure(monitor.abort)
+    failure.on_failure(_exit_after(DRIVER_EXIT_BACKSTOP_S))
     engine = Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
                     micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context)
     try:
         return mode.run(engine)
     finally:
         engine.shutdown()
+        if monitor is not None:
+            monitor.stop()
 
 
 def _follow(config, info, memory, env, groups) -> None:
     # NOTE: a follower ignores SIGTERM/SIGINT: the driver drains in-flight requests and then
-    # publishes Shutdown; the launcher kills followers itself if the driver is gone.
+    # publishes Shutdown; if the driver is gone, the heartbeats tell (and the launcher kills
+    # what is left after its own timeout).
     signal.signal(signal.SIGTERM, lambda *_: log.info("rank %d: signal received; waiting for the driver", env.global_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    channel = WorkerChannel(broadcast_text(None, src=0), env.global_rank)
+    addresses = broadcast_text(None, src=0).split()
+    channel = WorkerChannel(" ".join(addresses[:2]), env.global_rank, secret=config.server.secret)
     runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info),
                          kernels=config.device.kernels)
     channel.handshake(config.cluster.handshake_timeout)
+    failure = FailureSignal()
+    failure.on_failure(_exit_after(0.0))
+    monitor = _monitor(config, groups, channel.session, failure, addresses=" ".join(addresses[2:]))
+    _watch(groups, failure, monitor)
     try:
         worker_loop(runner, channel)
+    except Exception as e:  # a collective with a dead rank raised: the world is broken
+        failure.trigger(f"rank {env.global_rank}: a step failed: {type(e).__name__}: {e}")
+        while True:
+            time.sleep(3600)
     finally:
+        monitor.stop()
         channel.close()
+
+
+def _monitor(config: Config, groups: Groups, session: str, failure: FailureSignal, **where) -> HeartbeatMonitor:
+    cluster = config.cluster
+    return HeartbeatMonitor(groups.global_rank, groups.world_size, session, cluster.heartbeat_interval,
+                            cluster.failure_timeout, failure.trigger, secret=config.server.secret, **where)
+
+
+def _watch(groups: Groups, failure: FailureSignal, monitor: HeartbeatMonitor) -> None:
+    """Start the heartbeats; shared-memory collectives give up once the world is broken."""
+    for group in (groups.tp, groups.pp, groups.cp):
+        if group.shm is not None:
+            group.shm.failure = failure
+    monitor.start()
+
+
+def _exit_after(delay: float):
+    """A failure reaction: end the process with EXIT_RANK_FAILURE after `delay` seconds (the
+    driver's frontends answer in-flight requests first; nothing here waits on a dead peer)."""
+
+    def exit_now(reason: str) -> None:
+        time.sleep(delay)
+        log.error("exiting: %s", reason)
+        logging.shutdown()
+        os._exit(EXIT_RANK_FAILURE)
+
+    return exit_now
+

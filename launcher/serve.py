@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import time
 
 from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.model_info import ModelInfo
@@ -16,6 +18,10 @@ from meshserve.engine.zmq_frontend import ZmqFrontend
 from meshserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("meshserve")
+
+FAILURE_LINGER_S = 1.0
+"""After the engine fails: how long /health answers 503 before the process exits."""
+EXIT_ENGINE_FAILED = 1
 
 
 def ready_line(zmq_address: str, http_address: str | None, config: Config) -> str:
@@ -36,7 +42,8 @@ class ServeMode:
 
     def prepare(self, config: Config, tokenizer: Tokenizer, info: ModelInfo, memory: MemoryPlan) -> None:
         self.config, self.info = config, info
-        self.frontend = ZmqFrontend(config.server.zmq, self.inbox, tokenizer, info.vocab_size, memory.max_model_len)
+        self.frontend = ZmqFrontend(config.server.zmq, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
+                                    secret=config.server.secret)
         if config.server.http is None:
             return
         from meshserve.engine.http_frontend import HttpFrontend  # FastAPI and uvicorn only when served
@@ -45,7 +52,8 @@ class ServeMode:
         self.metrics = EngineMetrics()
         try:
             self.http = HttpFrontend(config.server.http, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
-                                     config.server.model_name or config.model.path, self.metrics.registry)
+                                     config.server.model_name or config.model.path, self.metrics.registry,
+                                     api_key=config.server.api_key)
         except OSError:
             self.frontend.close()
             raise
@@ -59,7 +67,9 @@ class ServeMode:
             serving_metrics(self.info, self.config.torch_dtype_name, self.config.device.type, self.config.world_size,
                             m.peak_flops, m.memory_bandwidth, engine, self.metrics)
             frontends.append(self.http)
-        server = Server(engine, self.inbox, frontends, self.config.scheduler.max_waiting)
+        server = Server(engine, self.inbox, frontends, self.config.scheduler.max_waiting,
+                        self.config.scheduler.max_waiting_tokens)
+        engine.executor.failure.on_failure(lambda reason: self._fail(server, frontends, reason))
 
         def on_signal(signum, frame):
             if server.stop_requested.is_set():
@@ -78,3 +88,15 @@ class ServeMode:
                 frontend.close()
         log.info("stopped after %d steps, %d requests", engine.stats.steps, engine.stats.finished)
         return 0
+
+    @staticmethod
+    def _fail(server: Server, frontends: list[Frontend], reason: str) -> None:
+        """The failure reaction (any thread): every request in flight gets an error, /health
+        says 503 for FAILURE_LINGER_S, the frontends flush, and the process exits non-zero."""
+        server.fail(reason)
+        time.sleep(FAILURE_LINGER_S)
+        for frontend in frontends:
+            frontend.close()
+        log.error("exiting: %s", reason)
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_FAILED)

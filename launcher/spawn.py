@@ -87,8 +87,9 @@ def spawn_local_ranks(config: Config, python_args: list[str], shutdown_timeout: 
     try:
         elastic_launch(launch, sys.executable)(*python_args)
     except ChildFailedError as e:
-        failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
-        print(f"meshserve: a rank died: {failures}", file=sys.stderr)
+        first_rank, first = e.get_first_failure()
+        failures = ", ".join(f"rank {r} ({_how(f)})" for r, f in sorted(e.failures.items()))
+        print(f"meshserve: rank {first_rank} died first ({_how(first)}); failed: {failures}", file=sys.stderr)
         return 1
     except SignalException as e:
         # The agent forwarded the signal; the driver drained and stopped the other ranks.
@@ -100,3 +101,8 @@ def spawn_local_ranks(config: Config, python_args: list[str], shutdown_timeout: 
         print(_rendezvous_failure(config, node_rank, e), file=sys.stderr)
         return 1
     return 0
+
+
+def _how(failure) -> str:
+    """`killed by SIGKILL` or `exit code 1`, for a torch elastic ProcessFailure."""
+    return f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"

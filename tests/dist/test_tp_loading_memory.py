@@ -21,12 +21,20 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def load_and_measure(groups, path) -> int:
     """Peak resident-memory growth (bytes) of loading this rank's shard."""
     info = read_model_info(str(path))  # opens the GGUF; its metadata is not part of the weights
+    # NOTE: reset the peak first: a forked rank inherits the test process's (ru_maxrss too).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     before = _rss_bytes()
     model = build_model(info, groups.tp if groups else AxisGroup.single("tp"), torch.float32, max_position=512)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     del model
     return peak - before
 

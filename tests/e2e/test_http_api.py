@@ -399,6 +399,10 @@ def test_metrics_move_with_traffic(url, oai):
     assert after["meshserve_peak_flops"] > 1e8 and after["meshserve_peak_memory_bandwidth_bytes"] > 1e8
     assert 0 < after["meshserve_model_flops_utilization"] < 2 and after["meshserve_memory_bandwidth_utilization"] > 0
     assert after["meshserve_kv_cache_usage_ratio"] == 0
+    # every rank's occupancy and memory (one rank here)
+    assert 0 < after['meshserve_rank_busy_ratio{rank="0"}'] <= 1
+    assert after['meshserve_rank_busy_seconds{rank="0"}'] > 0
+    assert after['meshserve_rank_resident_memory_bytes{rank="0"}'] > 100e6
 
 
 # ------------------------------------------------------------------ bench

@@ -76,3 +76,22 @@ class MeshserveProcess:
             return True
         except ProcessLookupError:
             return False
+
+    def descendants(self) -> list[int]:
+        """Pids of every process below the launcher (the elastic agent starts each rank in a
+        session of its own, so the launcher's process group does not cover them)."""
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                found.append(child)
+                todo.append(child)
+        return found
