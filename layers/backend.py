@@ -72,8 +72,12 @@ class TorchBackend(Backend):
 
     name = "torch"
 
+    def __init__(self):
+        self.workspace = attention.GatherWorkspace()
+
     def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
-        return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)
+        return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device,
+                                                  self.workspace)
 
     attention = staticmethod(attention.paged_attention)
     cp_decode_lse = staticmethod(context_attention.decode_lse)

@@ -1,6 +1,9 @@
 """How a linear layer multiplies: y = x W^T, by the weight as stored (any device), or by
-a copy packed once into oneDNN's blocked layout (bfloat16 on CPU, where AMX / AVX-512
-bf16 kernels otherwise re-layout the weight on every call: 2x faster at decode sizes)."""
+a copy packed once into oneDNN's blocked layout (on CPU, where the kernels otherwise
+re-layout the weight on every call). Measured here with SmolLM2's shapes on 2 cores: bf16
+2x faster at decode sizes; float32 2.5-4x at 32 rows (1047 -> 275 us for the 576 x 3072
+gate/up; 22 -> 5 ms for the 49152-row head) and 3.5x for the head at one row, a few us
+slower for the smallest matrices at one row."""
 
 from __future__ import annotations
 
@@ -20,5 +23,8 @@ class PackedCpuMatmul:
 
 
 def packing_helps(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
