@@ -85,10 +85,10 @@ class GatherWorkspace:
         return self._k[:numel].view(shape), self._v[:numel].view(shape)
 
 
-def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                             block_size: int, device: torch.device | str = "cpu",
-                             workspace: GatherWorkspace | None = None) -> AttentionMetadata:
-    """Host lists -> the tensors the torch backend needs, built once per step."""
+def starts_and_slots(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                     block_size: int) -> tuple[list[int], list[int]]:
+    """Each sequence's first row in the flat batch (plus the total), and the cache slot of
+    every new token: what every backend's metadata starts from."""
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -96,6 +96,14 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
     for q, s, table in zip(query_lens, seq_lens, block_tables):
         for pos in range(s - q, s):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return starts, slots
+
+
+def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                             block_size: int, device: torch.device | str = "cpu",
+                             workspace: GatherWorkspace | None = None) -> AttentionMetadata:
+    """Host lists -> the tensors the torch backend needs, built once per step."""
+    starts, slots = starts_and_slots(query_lens, seq_lens, block_tables, block_size)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         query_start_loc=starts,

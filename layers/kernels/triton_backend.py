@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import torch
 
+from meshserve.layers.attention import starts_and_slots
 from meshserve.layers.backend import Backend
 from meshserve.layers.kernels.decode_attention import block_n_for, choose_num_splits, paged_decode_attention
 from meshserve.layers.kernels.prefill_attention import prefill_attention
@@ -66,13 +67,7 @@ def _splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device
 def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device | str) -> TritonMetadata:
     device = torch.device(device)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    slots: list[int] = []
-    for q, s, table in zip(query_lens, seq_lens, block_tables):
-        for pos in range(s - q, s):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    starts, slots = starts_and_slots(query_lens, seq_lens, block_tables, block_size)
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     prefills = [i for i, q in enumerate(query_lens) if q > 1]
 
