@@ -33,10 +33,10 @@ class Executor(Protocol):
 class LocalExecutor:
     """World size 1: the driver is the only rank; a step is done when submit returns."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, failure: FailureSignal | None = None):
         self.runner = runner
         self.started = time.monotonic()
-        self.failure = FailureSignal()
+        self.failure = failure or FailureSignal()
 
     def submit(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)

@@ -95,8 +95,7 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
                          layer_counts=stage_layers(config, info), kernels=config.device.kernels)
     if channel is None:
-        executor = LocalExecutor(runner)
-        failure = executor.failure
+        executor = LocalExecutor(runner, failure)
     else:
         channel.handshake(config.cluster.handshake_timeout)
         executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S, failure)

@@ -6,6 +6,8 @@ unauthenticated client with "unauthorized" and nothing else, and serves one with
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import queue
@@ -103,8 +105,11 @@ def _connected(secret_driver, secret_worker, world_size=2):
     return driver, worker
 
 
-def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog):
-    driver, worker = _connected(SECRET, SECRET)
+@contextlib.contextmanager
+def _joined_with_rogue(secret):
+    """A driver and one rank that completed the handshake, and a rogue PUSH socket
+    connected to the driver's PULL port."""
+    driver, worker = _connected(secret, secret)
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.PUSH)
     rogue.setsockopt(zmq.LINGER, 0)
@@ -114,6 +119,16 @@ def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog):
         driver.handshake(10)
         t.join(10)
         rogue.connect(driver.addresses.split()[1])
+        yield driver, worker, rogue
+    finally:
+        rogue.close()
+        ctx.term()
+        worker.close()
+        driver.close()
+
+
+def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog):
+    with _joined_with_rogue(SECRET) as (driver, worker, rogue):
         sealed = FrameAuth(SECRET, "control")
         undecodable, wellformed = _garbage(random.Random(0))
         # unsealed (even well-formed ones), and sealed garbage that does not decode; and a
@@ -132,35 +147,16 @@ def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog):
         assert any("dropped an unauthenticated control-plane frame" in r.getMessage() for r in caplog.records)
         driver.publish(StepPlan(2, [], [], []))
         assert worker.recv(10) == StepPlan(2, [], [], [])
-    finally:
-        rogue.close()
-        ctx.term()
-        worker.close()
-        driver.close()
 
 
 def test_control_plane_without_secret_drops_undecodable_frames():
-    driver, worker = _connected(None, None)
-    ctx = zmq.Context()
-    rogue = ctx.socket(zmq.PUSH)
-    rogue.setsockopt(zmq.LINGER, 0)
-    try:
-        t = threading.Thread(target=worker.handshake, args=(10,))
-        t.start()
-        driver.handshake(10)
-        t.join(10)
-        rogue.connect(driver.addresses.split()[1])
+    with _joined_with_rogue(None) as (driver, worker, rogue):
         for f in _garbage(random.Random(1))[0]:  # no secret: a well-formed StepResult would be believed
             rogue.send(f)
         time.sleep(0.3)
         driver.drain()
         worker.send_result(StepResult(5, [0], [1]))
         assert driver.recv_result(10).step_id == 5
-    finally:
-        rogue.close()
-        ctx.term()
-        worker.close()
-        driver.close()
 
 
 def test_rank_with_another_secret_never_joins():
