@@ -11,6 +11,23 @@ from meshserve.configs.schema import Config
 from meshserve.configs.validate import resolved_max_model_len
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+INT4_GROUP = 32
+
+
+def matmul_bytes_per_param(quantization: str, act_bytes: int) -> float:
+    """Bytes a weight-only quantized matmul reads per weight: int4 codes plus a scale and
+    a zero per group of 32, int8 codes (one scale per row, negligible), or the dtype's."""
+    if quantization == "int4":
+        return 0.5 + 2 * act_bytes / INT4_GROUP
+    if quantization == "int8":
+        return 1.0
+    return float(act_bytes)
+
+
+def head_quantization(quantization: str) -> str:
+    """The LM head's quantization: int8 when the layers take int4 (as GGUF files keep
+    their output matrix at 8 bits), else the layers'."""
+    return "int8" if quantization == "int4" else quantization
 
 
 def local_num_kv_heads(num_key_value_heads: int, tp_size: int) -> int:
@@ -63,6 +80,8 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     max_model_len: int
+    quantization: str = "none"
+    """Weight-only quantization of the linear layers (config model.quantization)."""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -92,7 +111,12 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     most_layers = max(stage_layers(config, info))
     # The first stage holds the embedding, the last the LM head (tied: loaded on both ends).
     ends = embed * (1 if (pp > 1 or info.tie_word_embeddings) else 2)
+    quantization = config.model.quantization
     weight_bytes = int((most_layers * per_layer / tp + ends + h) * nbytes)
+    if quantization != "none":  # the layers' matmuls quantized; the head's a quantized copy beside the embedding
+        weight_bytes = int(most_layers * per_layer / tp * matmul_bytes_per_param(quantization, nbytes)
+                           + embed * (nbytes + matmul_bytes_per_param(head_quantization(quantization), nbytes))
+                           + h * nbytes)
 
     kv_heads = local_num_kv_heads(info.num_key_value_heads, tp)
     kv_per_token = 2 * most_layers * kv_heads * info.head_dim * nbytes
@@ -113,4 +137,4 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
             f"fewer than {_share(max_len, need, cp)}; raise cache.memory (now {int(config.cache.memory)} bytes, "
             f"{kv_per_token} bytes per token) or lower model.max_model_len"
         )
-    return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len)
+    return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len, quantization)

@@ -23,11 +23,17 @@ class ModelConfig(Section):
     path: str = BUILTIN_DEFAULT_MODEL
     """HF directory (config.json + *.safetensors), a .gguf file, or `builtin:<name>`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """`auto`: float32 on CPU, bfloat16 on CUDA."""
+    """`auto`: float32 on CPU, bfloat16 on CUDA or with model.quantization."""
     tokenizer: str | None = None
     """Tokenizer directory; by default the model's own (HF directory or GGUF file)."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; by default the model's context, capped at 8192."""
+    quantization: Literal["none", "int8", "int4"] = "none"
+    """Weight-only quantization of the linear layers, on CPU: `int4` (groups of 32 with a
+    scale and min each, GGUF's Q4_1 layout; the LM head then takes int8), `int8` (one scale
+    per output row). Weights are read at full precision and quantized at load; activations
+    stay in model.dtype (`auto` then means bfloat16). For one or a few streams: at batch 32
+    packed bf16 is faster."""
 
 
 class ParallelConfig(Section):
@@ -203,7 +209,8 @@ class Config(Section):
 
     @property
     def torch_dtype_name(self) -> str:
-        """The resolved dtype name (`auto` becomes float32 on CPU, bfloat16 on CUDA)."""
+        """The resolved dtype name (`auto` becomes float32 on CPU, bfloat16 on CUDA or with
+        model.quantization: the CPU int4/int8 kernels are 5-10x slower with float32 inputs)."""
         if self.model.dtype != "auto":
             return self.model.dtype
-        return "bfloat16" if self.device.type == "cuda" else "float32"
+        return "bfloat16" if self.device.type == "cuda" or self.model.quantization != "none" else "float32"

@@ -71,6 +71,24 @@ def kernel_problems(config: Config) -> list[str]:
     return []
 
 
+def quantization_problems(config: Config, info: ModelInfo) -> list[str]:
+    """Weight-only quantization runs on CPU kernels; int4 groups of 32 must tile every
+    linear layer's input on every tensor-parallel rank."""
+    quantization, tp = config.model.quantization, config.parallel.tensor
+    if quantization == "none":
+        return []
+    if config.device.type != "cpu":
+        return [f"model.quantization={quantization} runs on CPU kernels; device.type={config.device.type} needs "
+                f"model.quantization=none"]
+    if quantization != "int4":
+        return []
+    inputs = {"hidden_size": info.hidden_size,
+              "num_attention_heads * head_dim / parallel.tensor": info.num_attention_heads * info.head_dim // tp,
+              "intermediate_size / parallel.tensor": info.intermediate_size // tp}
+    return [f"model.quantization=int4 quantizes groups of 32 inputs, but {name} = {size} is not a multiple of 32 "
+            f"(use model.quantization=int8)" for name, size in inputs.items() if size % 32]
+
+
 def check_config(config: Config, source: str = "<builtin default>", info: ModelInfo | None = None) -> ModelInfo:
     """Validate `config` against the model it names; returns the model's facts."""
     try:
@@ -114,6 +132,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
     if config.device.type == "cpu" and config.model.dtype == "float16":
         problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
     problems += kernel_problems(config)
+    problems += quantization_problems(config, info)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return info

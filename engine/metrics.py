@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from meshserve.configs.memory import DTYPE_BYTES
 from meshserve.engine.engine import Engine
 from meshserve.engine.output import RequestState
 from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
@@ -201,16 +202,14 @@ class EngineMetrics:
             self.rank_memory.labels(str(rank)).set(stats.rss_bytes)
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_flops: float | None,
-                    memory_bandwidth: float | None, engine: Engine, metrics: EngineMetrics) -> Roofline:
+                    memory_bandwidth: float | None, engine: Engine, metrics: EngineMetrics,
+                    quantization: str = "none") -> Roofline:
     """Measure (or take) the roofline and attach `metrics` to `engine`; returns the roofline."""
     import torch
 
     roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth)
-    metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name]), roofline)
+    metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization), roofline)
     log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,
              roofline.memory_bandwidth)
     return roofline

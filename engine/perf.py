@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.configs.memory import head_quantization, matmul_bytes_per_param
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
 
@@ -60,6 +61,8 @@ class ModelCost:
 
     info: ModelInfo
     dtype_bytes: int
+    quantization: str = "none"
+    """Weight-only quantization of the linear layers (configs.memory.head_quantization for the head)."""
 
     @property
     def matmul_params(self) -> int:
@@ -71,7 +74,10 @@ class ModelCost:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step."""
-        return self.matmul_params * self.dtype_bytes
+        head = self.info.vocab_size * self.info.hidden_size
+        layers = self.matmul_params - head
+        return int(layers * matmul_bytes_per_param(self.quantization, self.dtype_bytes)
+                   + head * matmul_bytes_per_param(head_quantization(self.quantization), self.dtype_bytes))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 from meshserve.comm.collectives import gather_from_tp, reduce_from_tp
 from meshserve.comm.groups import AxisGroup
 from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
+from meshserve.layers.quant import quantized_matmul
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -61,11 +62,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp, dtype)
         if tied_to is not None:
             self.weight = tied_to.weight
-        self.packed: PackedCpuMatmul | None = None
+        self.packed = None
+        """A PackedCpuMatmul or a quantized matmul (meshserve.layers.quant), or None."""
 
-    def pack_weight(self) -> None:
-        """After loading: multiply by a packed copy where that is faster (the weight stays:
-        it may be the embedding's too)."""
+    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
+        """After loading: multiply by a quantized copy (`quantization` int8 | int4), or else
+        by a packed copy where that is faster (the weight stays: it may be the embedding's too)."""
+        if self.packed is not None:
+            return
+        self.packed = quantized_matmul(self.weight, quantization, act_dtype or self.weight.dtype)
         if self.packed is None and packing_helps(self.weight):
             self.packed = PackedCpuMatmul(self.weight)
 

@@ -15,6 +15,7 @@ from meshserve.comm.collectives import reduce_from_tp
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs.memory import local_num_kv_heads
 from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
+from meshserve.layers.quant import quantized_matmul
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -42,16 +43,22 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed: PackedCpuMatmul | None = None
+        self.packed = None
+        """A PackedCpuMatmul or a quantized matmul (meshserve.layers.quant), or None."""
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def pack_weight(self) -> None:
-        """After loading: multiply by a packed copy where that is faster, and free the
-        stored weight (the packed copy replaces it)."""
+    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
+        """After loading: multiply by a quantized copy (`quantization` int8 | int4, with
+        activations in `act_dtype`), or else by a packed copy where that is faster; either
+        replaces the stored weight, which is freed."""
+        if self.packed is not None:
+            return
+        self.packed = quantized_matmul(self.weight, quantization, act_dtype or self.weight.dtype)
         if self.packed is None and packing_helps(self.weight):
             self.packed = PackedCpuMatmul(self.weight)
+        if self.packed is not None:
             self.weight.data = self.weight.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""What weight-only quantization costs in quality: each model.quantization against the
+unquantized model, in the same dtype, on SmolLM2 (its GGUF's Q4_1 codes come back exactly
+under int4, so int4 differs from the unquantized run only in rounding).
+
+- perplexity on a fixed text (scripts/data/perplexity.txt), prefilled in one chunk;
+- greedy agreement: --prompts chat prompts, --output-len greedy tokens each; the share of
+  all positions whose token matches the unquantized run's, the prompts that match to the
+  end, and the mean position of the first token that differs;
+- decode tok/s of one stream, for the trade.
+
+    python scripts/quant_quality.py [--dtype bfloat16] [--quantizations none int8 int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from meshserve.comm.messages import SamplingParams
+from meshserve.configs import load_config
+from meshserve.configs.memory import plan_memory
+from meshserve.configs.validate import check_config
+from meshserve.engine.bootstrap import build_single_rank_engine
+from meshserve.engine.offline import generate
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "What is the capital of France, and what is it famous for?",
+    "Give three tips for writing readable Python code.",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a refrigerator keep food cold?",
+    "List the planets of the solar system in order.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a good breakfast for a long hike.",
+    "Why do cats purr?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "What causes the seasons on Earth?",
+    "Write a short thank-you note to a teacher.",
+    "How do vaccines train the immune system?",
+    "Explain what a hash table is to a beginner.",
+    "What should I pack for a weekend at the beach?",
+]
+
+
+@torch.inference_mode()
+def perplexity(engine, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood of each token given the ones before it)."""
+    runner = engine.executor.runner
+    n = len(token_ids)
+    blocks = -(-n // runner.memory.block_size)
+    meta = runner.model.backend.build_metadata([n], [n], [list(range(blocks))], runner.memory.block_size)
+    hidden, _ = runner.model(torch.tensor(token_ids), torch.arange(n), runner.kv_caches, meta)
+    logits = runner.model.compute_logits(hidden)
+    nll = F.cross_entropy(logits[:-1], torch.tensor(token_ids[1:]))
+    return math.exp(nll.item())
+
+
+def one_stream_tok_s(engine, output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    engine.add_request("speed", "speed", list(range(1000, 1128)), params)
+    engine.step()  # prefill
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return (output_len - 1) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output", default="results/quant_quality.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    text = (HERE / "data" / "perplexity.txt").read_text()
+    rows, reference = [], None
+    for quantization in args.quantizations:
+        config = load_config(None, [f"model.dtype={args.dtype}", f"model.quantization={quantization}",
+                                    "model.max_model_len=1024"])
+        info = check_config(config)
+        engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
+        ids = engine.tokenizer.encode(text)
+        ppl = perplexity(engine, ids)
+        chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
+        params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        tokens = [c.token_ids for c in generate(engine, chats, params)]
+        speed = one_stream_tok_s(engine, args.output_len)
+        reference = reference or tokens
+        same = sum(a == b for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref))
+        total = sum(len(ref) for ref in reference)
+        whole = sum(ours == ref for ours, ref in zip(tokens, reference))
+        first = [next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+                 for ours, ref in zip(tokens, reference)]
+        row = {"quantization": quantization, "dtype": args.dtype, "perplexity": ppl, "text_tokens": len(ids),
+               "greedy_token_agreement": same / total, "greedy_prompts_identical": whole / len(reference),
+               "greedy_mean_first_divergence": sum(first) / len(first),
+               "one_stream_tok_s": speed, "weight_bytes": plan_memory(config, info).weight_bytes}
+        rows.append(row)
+        print(f"{args.dtype} quantization={quantization:<5} perplexity {ppl:7.3f} ({len(ids)} tokens)  greedy tokens "
+              f"agreeing {100 * row['greedy_token_agreement']:5.1f}%, prompts identical {whole}/{len(reference)}, first "
+              f"divergence at token {row['greedy_mean_first_divergence']:.1f} on average  "
+              f"one stream {speed:6.1f} tok/s", flush=True)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Weight-only quantization (meshserve.layers.quant, config model.quantization): the
+kernels against the dense math with the dequantized weights, GGUF Q4_1 codes kept exactly,
+the whole model against transformers running the same dequantized weights, and the
+quality on SmolLM2 against the unquantized model."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from meshserve.configs import ConfigError, load_config
+from meshserve.configs.memory import plan_memory
+from meshserve.configs.validate import check_config
+from meshserve.layers.quant import (Int4Matmul, Int8Matmul, dequantize_int4, quantize_int4, quantize_int8)
+from support.reference import hf_logits, hf_model, meshserve_logits
+
+PROMPTS = [[1, 504, 3575, 282, 4649, 314], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
+
+
+def test_int4_error_is_at_most_half_a_step():
+    w = torch.randn(96, 128)
+    codes, scale, low = quantize_int4(w)
+    assert codes.min() >= 0 and codes.max() <= 15
+    err = (dequantize_int4(codes, scale, low) - w).abs().view(96, 4, 32)
+    assert (err <= scale[..., None] / 2 + 1e-6).all()
+
+
+def test_int4_keeps_the_gguf_q4_1_codes(smollm2):
+    reader = gguf.GGUFReader(str(smollm2))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight")
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    raw = np.asarray(tensor.data)
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 20)  # per block of 32: fp16 scale, fp16 min, 16 bytes of nibbles
+    scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    low = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    nibbles = blocks[:, 4:]
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).reshape(rows, -1)
+    values = torch.from_numpy(np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32))
+    got_codes, got_scale, got_low = quantize_int4(values)
+    assert torch.equal(got_codes, torch.from_numpy(codes.astype(np.int32)))
+    torch.testing.assert_close(got_scale, torch.from_numpy(scale), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(got_low, torch.from_numpy(low), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+@pytest.mark.parametrize("shape", [(320, 576), (64, 160)])
+def test_int4_and_int8_kernels_match_dense_math_with_dequantized_weights(rows, shape):
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * 0.05
+    x = torch.randn(rows, shape[1])
+    codes4, scale4, low4 = quantize_int4(w)
+    codes8, scale8 = quantize_int8(w)
+    cases = [(Int4Matmul, dequantize_int4(codes4, scale4, low4)), (Int8Matmul, codes8.float() * scale8[:, None])]
+    for kernel, dense in cases:
+        want = x @ dense.t()
+        torch.testing.assert_close(kernel(w, torch.float32)(x), want, atol=1e-4, rtol=1e-4)
+        got16 = kernel(w, torch.bfloat16)(x.bfloat16()).float()
+        assert (got16 - want).norm() / want.norm() < 2e-2
+
+
+def _fake_quantized_hf(path, layers: str, head: str):
+    """transformers' model with every linear weight replaced by what meshserve's quantized
+    matmul multiplies by: the oracle for the quantized model."""
+    model = hf_model(path)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            kind = head if name == "lm_head" else layers
+            if kind == "int4":
+                module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
+            else:
+                codes, scale = quantize_int8(module.weight)
+                module.weight.copy_(codes.float() * scale[:, None])
+    return model
+
+
+@pytest.mark.parametrize("quantization,head", [("int4", "int8"), ("int8", "int8")])
+def test_quantized_model_matches_transformers_on_dequantized_weights(tiny_checkpoints, quantization, head):
+    path = tiny_checkpoints["llama-untied"]
+    ref = _fake_quantized_hf(path, quantization, head)
+    plain = hf_model(path)
+    ours = meshserve_logits(path, PROMPTS, quantization=quantization)
+    for prompt, got in zip(PROMPTS, ours):
+        want = hf_logits(ref, prompt)
+        torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert not torch.allclose(got, hf_logits(plain, prompt), atol=5e-4, rtol=1e-4)  # quantization did happen
+
+
+@pytest.mark.slow
+def test_smollm2_int4_perplexity_and_greedy_stay_close(smollm2):
+    """bf16 int4 (the GGUF's own codes) against bf16 unquantized: the perplexity of a fixed
+    text within 2%, and the first greedy tokens the same."""
+    from meshserve.engine.bootstrap import build_single_rank_engine
+    from meshserve.comm.messages import SamplingParams
+    from meshserve.engine.offline import generate
+
+    text = ("The river town woke slowly on market days. Before sunrise the bakers had already lit their ovens, and "
+            "the smell of bread drifted down the narrow streets toward the water, where fishermen were untangling "
+            "nets and arguing about the weather.")
+    results = {}
+    for quantization in ("none", "int4"):
+        config = load_config(None, ["model.dtype=bfloat16", f"model.quantization={quantization}",
+                                    "model.max_model_len=512", "cache.memory=64MiB"])
+        info = check_config(config)
+        engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=torch.get_num_threads())
+        ids = engine.tokenizer.encode(text)
+        runner = engine.executor.runner
+        meta = runner.model.backend.build_metadata([len(ids)], [len(ids)], [list(range(-(-len(ids) // 16)))], 16)
+        with torch.inference_mode():
+            hidden, _ = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta)
+            logits = runner.model.compute_logits(hidden)
+        ppl = math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+        chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        tokens = generate(engine, [chat], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+        results[quantization] = (ppl, tokens)
+    (ppl_ref, tokens_ref), (ppl_q, tokens_q) = results["none"], results["int4"]
+    assert abs(ppl_q / ppl_ref - 1) < 0.02, (ppl_ref, ppl_q)
+    assert tokens_q[:4] == tokens_ref[:4]
+
+
+def test_quantization_config_errors(tiny_checkpoints):
+    path = str(tiny_checkpoints["llama"])
+    with pytest.raises(ConfigError, match=r"intermediate_size / parallel.tensor = 80 is not a multiple of 32"):
+        check_config(load_config(None, [f"model.path={path}", "model.quantization=int4", "parallel.tensor=2"]))
+    with pytest.raises(ConfigError, match=r"model.quantization=int8 runs on CPU kernels; device.type=cuda"):
+        check_config(load_config(None, [f"model.path={path}", "model.quantization=int8", "device.type=cuda"]))
+    config = load_config(None, [f"model.path={path}", "model.quantization=int8", "parallel.tensor=2"])
+    info = check_config(config)
+    assert config.torch_dtype_name == "bfloat16"  # auto with quantization
+    dense = load_config(None, [f"model.path={path}"])
+    assert plan_memory(config, info).weight_bytes < plan_memory(dense, info).weight_bytes
