@@ -59,6 +59,10 @@ class DeviceConfig(Section):
     """What computes attention, RMSNorm and rotary: `torch` (the reference), `triton`
     (meshserve's kernels, CUDA only, `pip install 'meshserve[gpu]'`); `auto`: triton on CUDA
     when installed, else torch."""
+    compile: bool = False
+    """Run decode steps through torch.compile (inductor, weights frozen): fuses the small
+    ops between matmuls, for one or a few streams on CPU. Compiles at start-up (tens of
+    seconds); one rank only (parallel sizes 1), device.type=cpu."""
 
 
 class CacheConfig(Section):

@@ -133,6 +133,10 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
         problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
     problems += kernel_problems(config)
     problems += quantization_problems(config, info)
+    if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):
+        problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
+                        f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "
+                        f"parallel.context={config.parallel.context}): collectives are not traced")
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return info

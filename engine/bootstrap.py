@@ -19,6 +19,6 @@ def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan
     if threads:
         torch.set_num_threads(threads)
     runner = ModelRunner(info, memory, Groups.single(), device=config.device.type, show_progress=show_progress,
-                         kernels=config.device.kernels)
+                         kernels=config.device.kernels, compile_decode=config.device.compile)
     tokenizer = Tokenizer(info, config.model.tokenizer)
     return Engine(LocalExecutor(runner), tokenizer, memory, config.scheduler, info.vocab_size)

@@ -18,6 +18,7 @@ from meshserve.comm.collectives import recv_from_prev_stage, send_to_next_stage
 from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
+from meshserve.engine.compiled_decode import CompiledDecode
 from meshserve.layers.backend import select_backend
 from meshserve.layers.context_attention import CPSeqStep, build_cp_metadata
 from meshserve.parallel.context import advance, chunk_owners, is_split
@@ -85,9 +86,10 @@ class ModelRunner:
 
     def __init__(self, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str = "cpu",
                  sampler_seed: int | None = None, show_progress: bool = False,
-                 layer_counts: list[int] | None = None, kernels: str = "auto"):
+                 layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool = False):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
-        the config's device.kernels (auto | torch | triton)."""
+        the config's device.kernels (auto | torch | triton). `compile_decode`: run decode
+        steps through torch.compile (engine/compiled_decode.py), compiled here."""
         self.info, self.memory, self.groups = info, memory, groups
         self.device = torch.device(device)
         self.dtype = DTYPES[memory.dtype]
@@ -98,7 +100,8 @@ class ModelRunner:
                                  layer_range=stage_layer_range(counts, groups.pp.rank),
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
                                  show_progress=show_progress, cp=groups.cp,
-                                 backend=select_backend(kernels, self.device), quantization=memory.quantization)
+                                 backend=select_backend(kernels, self.device), quantization=memory.quantization,
+                                 pack=not compile_decode)
         self._pending_sends: deque = deque()
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -106,6 +109,10 @@ class ModelRunner:
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in model.layers]
+        self.compiled = None
+        if compile_decode:
+            self.compiled = CompiledDecode(self.model)
+            self.compiled.warm_up(self.model.backend, self.kv_caches, memory.block_size, self.device)
         self.sampler = Sampler(info.eos_token_ids, sampler_seed) if groups.is_sampler else None
         self.seqs: dict[int, RankSeq] = {}
         self.stats = RunnerStats()
@@ -220,7 +227,8 @@ class ModelRunner:
         if not pp.is_first:  # (num_tokens, hidden_size): the previous stage's hidden + residual
             received = recv_from_prev_stage((len(inputs.input_ids), self.info.hidden_size), self.dtype,
                                             self.device, pp)
-        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden=received)
+        forward = self.compiled if self.compiled is not None and self.compiled.applies(inputs.meta) else self.model
+        hidden, residual = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden=received)
         for _, seq, n in batch:
             seq.num_computed += n
         if not pp.is_last:

@@ -93,7 +93,8 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
         monitor = _monitor(config, groups, channel.session, failure, host=socket.gethostbyname(host))
         broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
-                         layer_counts=stage_layers(config, info), kernels=config.device.kernels)
+                         layer_counts=stage_layers(config, info), kernels=config.device.kernels,
+                         compile_decode=config.device.compile)
     if channel is None:
         executor = LocalExecutor(runner, failure)
     else:
@@ -121,7 +122,7 @@ def _follow(config, info, memory, env, groups) -> None:
     addresses = broadcast_text(None, src=0).split()
     channel = WorkerChannel(" ".join(addresses[:2]), env.global_rank, secret=config.server.secret)
     runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info),
-                         kernels=config.device.kernels)
+                         kernels=config.device.kernels, compile_decode=config.device.compile)
     channel.handshake(config.cluster.handshake_timeout)
     failure = FailureSignal()
     failure.on_failure(_exit_after(0.0))

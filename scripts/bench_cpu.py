@@ -2,8 +2,9 @@
 same GGUF, its own Q4_1 weights and AMX kernels), in one run; with meshserve's batch-1
 decode MBU and 512-token prefill MFU against the bandwidth and matmul peak measured here.
 
-meshserve runs in each --variants dtype[:model.quantization] (int4 keeps the GGUF's own
-Q4_1 codes; MBU then counts the quantized bytes). Each side prefills a 128-token prompt
+meshserve runs in each --variants dtype[:model.quantization[:compile]] (int4 keeps the
+GGUF's own Q4_1 codes, MBU then counts the quantized bytes; compile: device.compile=true,
+its start-up compile time printed). Each side prefills a 128-token prompt
 and then decodes --output-len tokens one at a time (llama.cpp: `Llama.eval` of one token per step; meshserve: engine steps, EOS ignored).
 Prints tok/s, the ratio to llama.cpp, MBU, MFU; median of --repeats; writes JSON.
 
@@ -60,8 +61,9 @@ def prefill_seconds(engine, length: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "bfloat16:int8", "bfloat16:int4"],
-                    help="dtype[:model.quantization] of each meshserve run")
+    ap.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "bfloat16:int8", "bfloat16:int4",
+                                                      "bfloat16:none:compile", "bfloat16:int4:compile"],
+                    help="dtype[:model.quantization[:compile]] of each meshserve run (compile: device.compile=true)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
@@ -79,14 +81,17 @@ def main() -> None:
     print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp in-process (Q4_1): {peer:.1f} tok/s")
     rows = []
     for variant in args.variants:
-        dtype, _, quantization = variant.partition(":")
-        quantization = quantization or "none"
-        if dtype not in DTYPES:
-            ap.error(f"--variants {variant}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype, quantization, *flags = variant.split(":") + ["none"]
+        if dtype not in DTYPES or any(f not in ("compile", "none") for f in flags):
+            ap.error(f"--variants {variant}: expected dtype[:quantization[:compile]], dtype one of {', '.join(DTYPES)}")
         config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
-                                    "model.max_model_len=1024"])
+                                    "model.max_model_len=1024", f"device.compile={'compile' in flags}"])
         info = check_config(config)
+        built = time.perf_counter()
         engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
+        build_seconds = time.perf_counter() - built
+        compiled = engine.executor.runner.compiled
+        compile_seconds = compiled.compile_seconds if compiled else 0.0
         cost = ModelCost(info, DTYPE_BYTES[dtype], quantization)
         peak = measure_matmul_peak(DTYPES[dtype])
         decode = statistics.median(args.output_len / run_meshserve(engine, [prompt], args.output_len)[1]
@@ -95,11 +100,14 @@ def main() -> None:
         ctx = args.prompt_len + args.output_len // 2
         mbu = decode * (cost.weight_bytes + ctx * cost.kv_bytes_per_token) / bandwidth
         mfu = cost.flops(args.prefill_len, args.prefill_len) / prefill / peak
-        rows.append({"dtype": dtype, "quantization": quantization, "decode_tok_s": decode, "ratio_to_llama_cpp": decode / peer, "decode_mbu": mbu,
-                     "prefill_seconds": prefill, "prefill_mfu": mfu, "matmul_peak": peak})
-        print(f"meshserve {variant:<14} one stream {decode:6.1f} tok/s ({decode / peer:.2f}x llama.cpp)  decode MBU "
+        rows.append({"variant": variant, "dtype": dtype, "quantization": quantization, "compile": compiled is not None,
+                     "compile_seconds": compile_seconds, "build_seconds": build_seconds,
+                     "compiled_steps": compiled.steps if compiled else 0, "decode_tok_s": decode,
+                     "ratio_to_llama_cpp": decode / peer, "decode_mbu": mbu, "prefill_seconds": prefill,
+                     "prefill_mfu": mfu, "matmul_peak": peak})
+        print(f"meshserve {variant:<22} one stream {decode:6.1f} tok/s ({decode / peer:.2f}x llama.cpp)  decode MBU "
               f"{100 * mbu:.1f}%  {args.prefill_len}-token prefill {1000 * prefill:.0f} ms, MFU {100 * mfu:.1f}% "
-              f"of {peak / 1e9:.0f} GFLOP/s")
+              f"of {peak / 1e9:.0f} GFLOP/s" + (f"; compiled in {compile_seconds:.0f} s" if compiled else ""))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bandwidth": bandwidth, "llama_cpp_tok_s": peer, "rows": rows}, indent=1))

@@ -1,0 +1,95 @@
+"""The decode step compiled with torch.compile (inductor, weights frozen as constants).
+
+A decode step of one stream is some 40 small ops per layer between the matmuls, each a
+dispatch of a microsecond or more; inductor fuses them into a few loops per layer and,
+with frozen weights, packs the dense matmul weights for oneDNN itself (so the model is
+built without meshserve's own packing). Steps with prefill chunks stay eager: their
+shapes vary more and their time is in the matmuls.
+
+Two graphs, compiled at start-up: one sequence, and two or more (torch specializes a size
+of 1). The batch and block-table sizes are marked dynamic, so later steps reuse them; a
+block table one block wide is padded to two (the mask hides the padding), since width 1
+would be a third graph. A step that would still need a recompile runs eagerly instead
+(counted), so serving never stalls on the compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from meshserve.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+WARM_UP_WIDTH = 3
+"""Block-table width of the warm-up steps: above 1, and unlike the warm-up batch of 2, so
+the two dynamic sizes get separate symbols."""
+
+
+def _mark_dynamic(input_ids, positions, meta: AttentionMetadata, batch_dynamic: bool) -> None:
+    for tensor, dims in ((meta.decode_block_tables, (1,)), (meta.decode_mask, (3,))):
+        for dim in dims:
+            torch._dynamo.mark_dynamic(tensor, dim)
+    if batch_dynamic:
+        for tensor in (input_ids, positions, meta.slot_mapping, meta.decode_rows, meta.decode_block_tables,
+                       meta.decode_mask):
+            torch._dynamo.mark_dynamic(tensor, 0)
+
+
+class CompiledDecode:
+    def __init__(self, model):
+        self.model = model
+        self._compiled = torch.compile(model.forward, options={"freezing": True})
+        self.steps = 0
+        """Steps run through the compiled graphs."""
+        self.eager_steps = 0
+        """Decode steps that would have needed a recompile and ran eagerly."""
+        self.compile_seconds = 0.0
+
+    @staticmethod
+    def applies(meta) -> bool:
+        """Only steps where every sequence decodes one token."""
+        return isinstance(meta, AttentionMetadata) and not meta.prefills and meta.decode_rows is not None
+
+    def __call__(self, input_ids, positions, kv_caches, meta: AttentionMetadata, hidden=None, residual=None):
+        # NOTE: the compiled graph plans its own buffers; the eager path's kept gather
+        # buffers would be traced as inputs and guarded on.
+        meta.workspace = None
+        if meta.decode_block_tables.shape[1] == 1:
+            meta.decode_block_tables = torch.cat([meta.decode_block_tables, meta.decode_block_tables], dim=1)
+            meta.decode_mask = torch.cat([meta.decode_mask, torch.zeros_like(meta.decode_mask)], dim=3)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = self._compiled(input_ids, positions, kv_caches, meta, hidden, residual)
+        except RuntimeError as e:
+            if "recompile" not in str(e).lower():
+                raise
+            self.eager_steps += 1
+            if self.eager_steps == 1:
+                log.warning("a decode step's shapes fit no compiled graph; running such steps eagerly (%s)", e)
+            return self.model(input_ids, positions, kv_caches, meta, hidden, residual)
+        self.steps += 1
+        return out
+
+    @torch.inference_mode()
+    def warm_up(self, backend, kv_caches, block_size: int, device) -> None:
+        """Compile for one and for several decoding sequences, writing into block 0 of the
+        cache (unused at start-up; a sequence writes its slots before reading them)."""
+        start = time.perf_counter()
+        length = block_size * (WARM_UP_WIDTH - 1) + 1
+        for batch in (1, 2):
+            meta = backend.build_metadata([1] * batch, [length] * batch, [[0] * WARM_UP_WIDTH] * batch, block_size,
+                                          device)
+            meta.workspace = None
+            ids = torch.zeros(batch, dtype=torch.long, device=device)
+            positions = torch.full((batch,), length - 1, dtype=torch.long, device=device)
+            _mark_dynamic(ids, positions, meta, batch_dynamic=batch > 1)
+            self._compiled(ids, positions, kv_caches, meta, None, None)
+        for k, v in kv_caches:
+            k[0].zero_()
+            v[0].zero_()
+        self.compile_seconds = time.perf_counter() - start
+        log.info("compiled the decode step in %.1f s", self.compile_seconds)

@@ -1,0 +1,62 @@
+"""device.compile: decode steps through torch.compile give what the eager model and
+transformers give, for one stream, a batch, a block table one block wide and short and
+long contexts, with int4 weights too; and no step needs a recompile after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshserve.comm.messages import SamplingParams
+from meshserve.configs import ConfigError, load_config
+from meshserve.configs.memory import plan_memory
+from meshserve.configs.validate import check_config
+from meshserve.engine.bootstrap import build_single_rank_engine
+from meshserve.engine.offline import generate
+from support.reference import hf_greedy, hf_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7], list(range(1000, 1023))]
+NEW_TOKENS = [12, 20, 30, 16]
+
+
+def make_engine(path, *overrides):
+    config = load_config(None, [f"model.path={path}", "model.max_model_len=256", *overrides])
+    info = check_config(config)
+    return build_single_rank_engine(config, info, plan_memory(config, info), threads=None)
+
+
+def test_compiled_decode_matches_transformers_alone_and_batched(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    ref = hf_model(path)
+    want = [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    engine = make_engine(path, "device.compile=true", "cache.block_size=4")
+    compiled = engine.executor.runner.compiled
+    assert compiled is not None and compiled.compile_seconds > 0
+    alone = [generate(engine, [p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+             for p, n in zip(PROMPTS, NEW_TOKENS)]
+    batched = [c.token_ids for c in generate(engine, PROMPTS, [SamplingParams(max_tokens=n, temperature=0,
+                                                                              ignore_eos=True) for n in NEW_TOKENS])]
+    assert alone == want
+    assert batched == want
+    assert compiled.steps >= sum(NEW_TOKENS) - len(PROMPTS)
+    assert compiled.eager_steps == 0
+
+
+def test_compiled_decode_with_int4_weights_matches_eager_int4(tiny_checkpoints):
+    path = tiny_checkpoints["llama-untied"]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in NEW_TOKENS]
+    eager = generate(make_engine(path, "model.quantization=int4", "model.dtype=float32"), PROMPTS, params)
+    engine = make_engine(path, "model.quantization=int4", "model.dtype=float32", "device.compile=true")
+    compiled = generate(engine, PROMPTS, params)
+    assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
+    for a, b in zip(compiled, eager):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-3
+    assert engine.executor.runner.compiled.steps > 0 and engine.executor.runner.compiled.eager_steps == 0
+
+
+def test_compile_is_refused_with_several_ranks(tiny_checkpoints):
+    with pytest.raises(ConfigError, match=r"device.compile=true runs on one CPU rank; here device.type=cpu and 2 ranks"):
+        check_config(load_config(None, [f"model.path={tiny_checkpoints['llama']}", "device.compile=true",
+                                        "parallel.tensor=2"]))
