@@ -100,8 +100,7 @@ class ModelRunner:
                                  layer_range=stage_layer_range(counts, groups.pp.rank),
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
                                  show_progress=show_progress, cp=groups.cp,
-                                 backend=select_backend(kernels, self.device), quantization=memory.quantization,
-                                 pack=not compile_decode)
+                                 backend=select_backend(kernels, self.device), quantization=memory.quantization)
         self._pending_sends: deque = deque()
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1

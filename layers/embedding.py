@@ -65,13 +65,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = None
         """A PackedCpuMatmul or a quantized matmul (meshserve.layers.quant), or None."""
 
-    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None, pack: bool = True) -> None:
+    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
         """After loading: multiply by a quantized copy (`quantization` int8 | int4), or else
         by a packed copy where that is faster (the weight stays: it may be the embedding's too)."""
         if self.packed is not None:
             return
         self.packed = quantized_matmul(self.weight, quantization, act_dtype or self.weight.dtype)
-        if self.packed is None and pack and packing_helps(self.weight):
+        if self.packed is None and packing_helps(self.weight):
             self.packed = PackedCpuMatmul(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -49,14 +49,14 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None, pack: bool = True) -> None:
+    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
         """After loading: multiply by a quantized copy (`quantization` int8 | int4, with
         activations in `act_dtype`), or else by a packed copy where that is faster; either
         replaces the stored weight, which is freed."""
         if self.packed is not None:
             return
         self.packed = quantized_matmul(self.weight, quantization, act_dtype or self.weight.dtype)
-        if self.packed is None and pack and packing_helps(self.weight):
+        if self.packed is None and packing_helps(self.weight):
             self.packed = PackedCpuMatmul(self.weight)
         if self.packed is not None:
             self.weight.data = self.weight.data.new_empty(0)

@@ -38,9 +38,8 @@ def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool =
 def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device | str = "cpu",
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
                 max_position: int | None = None, show_progress: bool = False, cp=None,
-                backend=None, quantization: str = "none", pack: bool = True) -> LlamaForCausalLM:
-    """`backend`: the kernel backend (meshserve.layers.backend); default torch. `pack`:
-    multiply by weights packed for oneDNN on CPU (off when torch.compile packs them).
+                backend=None, quantization: str = "none") -> LlamaForCausalLM:
+    """`backend`: the kernel backend (meshserve.layers.backend); default torch.
 
     `quantization` (none | int8 | int4, meshserve.layers.quant): the weights are read in
     float32 (a Q4_1 GGUF's codes survive exactly), the linear layers quantized, then the
@@ -53,9 +52,9 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
     load_weights(model, info, show_progress)
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
-            module.pack_weight(head_quantization(quantization), dtype, pack)
+            module.pack_weight(head_quantization(quantization), dtype)
         elif hasattr(module, "pack_weight"):
-            module.pack_weight(quantization, dtype, pack)
+            module.pack_weight(quantization, dtype)
     if load_dtype != dtype:
         for param in model.parameters():
             param.data = param.data.to(dtype)

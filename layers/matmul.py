@@ -19,7 +19,21 @@ class PackedCpuMatmul:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+@torch.library.custom_op("meshserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """The packed multiply as one opaque op for torch.compile (engine/compiled_decode.py),
+    which calls it as it is; eager calls skip this wrapper's dispatch cost."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def packing_helps(weight: torch.Tensor) -> bool:
