@@ -51,7 +51,7 @@ class Roofline:
 def measure_roofline(dtype, device: str, world_size: int, peak_flops: float | None = None,
                      memory_bandwidth: float | None = None) -> Roofline:
     """Measure what the config does not give (about a second on a CPU): this process's matmul
-    peak in `dtype` and its copy bandwidth, scaled to the deployment.
+    peak in `dtype` and its read bandwidth, scaled to the deployment.
 
     NOTE: FLOPs scale with the world size (each rank has its own cores or GPU). Bandwidth does
     on GPUs (each has its own memory) but not on one CPU node, whose ranks share its memory."""

@@ -4,9 +4,10 @@ decode MBU and 512-token prefill MFU against the bandwidth and matmul peak measu
 
 meshserve runs in each --variants dtype[:model.quantization[:compile]] (int4 keeps the
 GGUF's own Q4_1 codes, MBU then counts the quantized bytes; compile: device.compile=true,
-its start-up compile time printed). Each side prefills a 128-token prompt
-and then decodes --output-len tokens one at a time (llama.cpp: `Llama.eval` of one token per step; meshserve: engine steps, EOS ignored).
-Prints tok/s, the ratio to llama.cpp, MBU, MFU; median of --repeats; writes JSON.
+its start-up compile time printed). Each side runs in a fresh process of its own (llama.cpp
+in-process there) and prefills a 128-token prompt, then decodes --output-len tokens one at
+a time (llama.cpp: `Llama.eval` of one token per step; meshserve: engine steps, EOS
+ignored). Prints tok/s, the ratio to llama.cpp, MBU, MFU; median of --repeats; writes JSON.
 
     pip install 'llama-cpp-python[server]'
     python scripts/bench_cpu.py [--variants float32 bfloat16 bfloat16:int4] [--repeats 3]
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def llama_cpp_decode(gguf: str, prompt: list[int], output_len: int, threads: int) -> float:
-    """Decode tok/s of llama.cpp in this process (after prefilling `prompt`)."""
+    """Decode tok/s of llama.cpp in this process (after prefilling `prompt`): the --peer
+    child's work."""
     sys.path.insert(0, str(HERE / "peers"))
     import llama_cpp_server  # noqa: F401 - sets use_extra_bufts=False (its AMX repacking dies with SIGILL here)
     from llama_cpp import Llama
@@ -59,10 +62,45 @@ def prefill_seconds(engine, length: int) -> float:
     return time.perf_counter() - start
 
 
+def run_variant(args, variant: str, prompt: list[int], bandwidth: float) -> dict:
+    """One meshserve variant in this process: the --variant child's work."""
+    dtype, quantization, *flags = variant.split(":") + ["none"]
+    config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
+                                "model.max_model_len=1024", f"device.compile={'compile' in flags}"])
+    info = check_config(config)
+    built = time.perf_counter()
+    engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
+    build_seconds = time.perf_counter() - built
+    compiled = engine.executor.runner.compiled
+    cost = ModelCost(info, DTYPE_BYTES[dtype], quantization)
+    peak = measure_matmul_peak(DTYPES[dtype])
+    decode = statistics.median(args.output_len / run_meshserve(engine, [prompt], args.output_len)[1]
+                               for _ in range(args.repeats))
+    prefill = statistics.median(prefill_seconds(engine, args.prefill_len) for _ in range(args.repeats))
+    ctx = args.prompt_len + args.output_len // 2
+    return {"variant": variant, "dtype": dtype, "quantization": quantization, "compile": compiled is not None,
+            "compile_seconds": compiled.compile_seconds if compiled else 0.0, "build_seconds": build_seconds,
+            "compiled_steps": compiled.steps if compiled else 0, "decode_tok_s": decode,
+            "decode_mbu": decode * (cost.weight_bytes + ctx * cost.kv_bytes_per_token) / bandwidth,
+            "prefill_seconds": prefill, "prefill_mfu": cost.flops(args.prefill_len, args.prefill_len) / prefill / peak,
+            "matmul_peak": peak}
+
+
+def child(args, flag: str, value: str, bandwidth: float) -> dict:
+    """Run this script for one side in a fresh process: llama.cpp's threads, torch's and
+    the compiled graphs of one variant never share a process with another's."""
+    cmd = [sys.executable, __file__, flag, value, "--bandwidth", str(bandwidth), "--threads", str(args.threads),
+           "--repeats", str(args.repeats), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+           "--prefill-len", str(args.prefill_len)]
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "bfloat16:int8", "bfloat16:int4",
-                                                      "bfloat16:none:compile", "bfloat16:int4:compile"],
+                                                      "float32:none:compile", "bfloat16:none:compile",
+                                                      "bfloat16:int4:compile"],
                     help="dtype[:model.quantization[:compile]] of each meshserve run (compile: device.compile=true)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -70,44 +108,39 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default="results/bench_cpu.json")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--peer", help=argparse.SUPPRESS)
+    ap.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    prompt = make_prompts(1, args.prompt_len)[0]
-    bandwidth = measure_memory_bandwidth()
-    gguf = str(resolve_model_path("builtin:smollm2-135m-instruct"))
-    peer = statistics.median(llama_cpp_decode(gguf, prompt, args.output_len, args.threads)
-                             for _ in range(args.repeats))
-    print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp in-process (Q4_1): {peer:.1f} tok/s")
-    rows = []
     for variant in args.variants:
         dtype, quantization, *flags = variant.split(":") + ["none"]
         if dtype not in DTYPES or any(f not in ("compile", "none") for f in flags):
             ap.error(f"--variants {variant}: expected dtype[:quantization[:compile]], dtype one of {', '.join(DTYPES)}")
-        config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
-                                    "model.max_model_len=1024", f"device.compile={'compile' in flags}"])
-        info = check_config(config)
-        built = time.perf_counter()
-        engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
-        build_seconds = time.perf_counter() - built
-        compiled = engine.executor.runner.compiled
-        compile_seconds = compiled.compile_seconds if compiled else 0.0
-        cost = ModelCost(info, DTYPE_BYTES[dtype], quantization)
-        peak = measure_matmul_peak(DTYPES[dtype])
-        decode = statistics.median(args.output_len / run_meshserve(engine, [prompt], args.output_len)[1]
-                                   for _ in range(args.repeats))
-        prefill = statistics.median(prefill_seconds(engine, args.prefill_len) for _ in range(args.repeats))
-        ctx = args.prompt_len + args.output_len // 2
-        mbu = decode * (cost.weight_bytes + ctx * cost.kv_bytes_per_token) / bandwidth
-        mfu = cost.flops(args.prefill_len, args.prefill_len) / prefill / peak
-        rows.append({"variant": variant, "dtype": dtype, "quantization": quantization, "compile": compiled is not None,
-                     "compile_seconds": compile_seconds, "build_seconds": build_seconds,
-                     "compiled_steps": compiled.steps if compiled else 0, "decode_tok_s": decode,
-                     "ratio_to_llama_cpp": decode / peer, "decode_mbu": mbu, "prefill_seconds": prefill,
-                     "prefill_mfu": mfu, "matmul_peak": peak})
-        print(f"meshserve {variant:<22} one stream {decode:6.1f} tok/s ({decode / peer:.2f}x llama.cpp)  decode MBU "
-              f"{100 * mbu:.1f}%  {args.prefill_len}-token prefill {1000 * prefill:.0f} ms, MFU {100 * mfu:.1f}% "
-              f"of {peak / 1e9:.0f} GFLOP/s" + (f"; compiled in {compile_seconds:.0f} s" if compiled else ""))
+    torch.set_num_threads(args.threads)
+    prompt = make_prompts(1, args.prompt_len)[0]
+    if args.peer:
+        print(json.dumps({"tok_s": statistics.median(llama_cpp_decode(args.peer, prompt, args.output_len, args.threads)
+                                                     for _ in range(args.repeats))}))
+        return
+    if args.variant:
+        print(json.dumps(run_variant(args, args.variant, prompt, args.bandwidth)))
+        return
+
+    bandwidth = measure_memory_bandwidth()
+    gguf = str(resolve_model_path("builtin:smollm2-135m-instruct"))
+    peer = child(args, "--peer", gguf, bandwidth)["tok_s"]
+    print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp in-process (Q4_1): {peer:.1f} tok/s",
+          flush=True)
+    rows = []
+    for variant in args.variants:
+        row = child(args, "--variant", variant, bandwidth)
+        row["ratio_to_llama_cpp"] = row["decode_tok_s"] / peer
+        rows.append(row)
+        print(f"meshserve {variant:<22} one stream {row['decode_tok_s']:6.1f} tok/s ({row['ratio_to_llama_cpp']:.2f}x "
+              f"llama.cpp)  decode MBU {100 * row['decode_mbu']:.1f}%  {args.prefill_len}-token prefill "
+              f"{1000 * row['prefill_seconds']:.0f} ms, MFU {100 * row['prefill_mfu']:.1f}% of "
+              f"{row['matmul_peak'] / 1e9:.0f} GFLOP/s"
+              + (f"; compiled in {row['compile_seconds']:.0f} s" if row["compile"] else ""), flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bandwidth": bandwidth, "llama_cpp_tok_s": peer, "rows": rows}, indent=1))

@@ -5,7 +5,7 @@ an H200, the first Triton compilations included). Sections, in order:
                (bfloat16; --check-dtypes for more) against float64 math
   decode       paged decode attention: Triton (auto split, and unsplit) vs the torch
                backend's decode (gather + SDPA) vs torch SDPA on contiguous K/V, same shapes;
-               microseconds and K/V GB/s as a fraction of the measured copy bandwidth
+               microseconds and K/V GB/s as a fraction of the measured read bandwidth
   prefill      causal varlen prefill: Triton (paged) vs torch SDPA (flash, contiguous) vs the
                torch backend; TFLOP/s against the measured bf16 matmul peak; a tile sweep
   norm_rotary  fused RMSNorm + residual and in-place rotary vs the torch references, GB/s
