@@ -75,8 +75,11 @@ def main() -> None:
     total_us = sum(e.self_cpu_time_total for e in prof.key_averages())
     groups = {"matmul (linear/mm)": ("aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
                                      "aten::matmul", "aten::bmm"),
+              "quantized matmul (int4/int8)": ("aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm"),
               "attention (sdpa)": ("aten::_scaled_dot_product", "aten::scaled_dot_product_attention"),
-              "kv cache (index/copy)": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::copy_")}
+              "kv cache (index/copy)": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::copy_"),
+              "compiled graph's own kernels": ("## Call CompiledFxGraph",),
+              "torch.compile guards": ("TorchDynamo Cache Lookup",)}
     shares = {}
     for name, prefixes in groups.items():
         us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(prefixes))
