@@ -6,6 +6,7 @@ quality on SmolLM2 against the unquantized model."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -137,3 +138,11 @@ def test_quantization_config_errors(tiny_checkpoints):
     assert config.torch_dtype_name == "bfloat16"  # auto with quantization
     dense = load_config(None, [f"model.path={path}"])
     assert plan_memory(config, info).weight_bytes < plan_memory(dense, info).weight_bytes
+
+
+def test_cpu_int4_example_config_validates():
+    path = Path(__file__).resolve().parents[2] / "configs" / "smollm2-cpu-int4.yaml"
+    config = load_config(path)
+    info = check_config(config, path.name)
+    assert (config.model.quantization, config.device.compile, config.torch_dtype_name) == ("int4", True, "bfloat16")
+    assert plan_memory(config, info).quantization == "int4"
