@@ -4,8 +4,9 @@ under int4, so int4 differs from the unquantized run only in rounding).
 
 - perplexity on a fixed text (scripts/data/perplexity.txt), prefilled in one chunk;
 - greedy agreement: --prompts chat prompts, --output-len greedy tokens each; the share of
-  all positions whose token matches the unquantized run's, the prompts that match to the
-  end, and the mean position of the first token that differs;
+  all positions whose token matches the float32 unquantized run's (--reference-dtype), the
+  prompts that match to the end, and the mean position of the first token that differs;
+  the bf16 unquantized row is the floor: what bf16 rounding alone changes;
 - decode tok/s of one stream, for the trade.
 
     python scripts/quant_quality.py [--dtype bfloat16] [--quantizations none int8 int4]
@@ -73,10 +74,37 @@ def one_stream_tok_s(engine, output_len: int) -> float:
     return (output_len - 1) / (time.perf_counter() - start)
 
 
+def measure(args, dtype: str, quantization: str, text: str) -> tuple[dict, list[list[int]]]:
+    """One configuration: its perplexity, one-stream speed and greedy tokens."""
+    config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}", "model.max_model_len=1024"])
+    info = check_config(config)
+    engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
+    ids = engine.tokenizer.encode(text)
+    chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    tokens = [c.token_ids for c in generate(engine, chats, params)]
+    row = {"quantization": quantization, "dtype": dtype, "perplexity": perplexity(engine, ids), "text_tokens": len(ids),
+           "one_stream_tok_s": one_stream_tok_s(engine, args.output_len),
+           "weight_bytes": plan_memory(config, info).weight_bytes}
+    return row, tokens
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    same = sum(a == b for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref))
+    first = [next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+             for ours, ref in zip(tokens, reference)]
+    return {"greedy_token_agreement": same / sum(len(ref) for ref in reference),
+            "greedy_prompts_identical": sum(ours == ref for ours, ref in zip(tokens, reference)) / len(reference),
+            "greedy_mean_first_divergence": sum(first) / len(first)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of the unquantized run the greedy tokens are compared with (float32: the bf16 "
+                         "unquantized row then shows what bf16 rounding alone changes)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -84,36 +112,22 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     text = (HERE / "data" / "perplexity.txt").read_text()
+    runs = [(args.reference_dtype, "none")] + [(args.dtype, q) for q in args.quantizations
+                                               if (args.dtype, q) != (args.reference_dtype, "none")]
     rows, reference = [], None
-    for quantization in args.quantizations:
-        config = load_config(None, [f"model.dtype={args.dtype}", f"model.quantization={quantization}",
-                                    "model.max_model_len=1024"])
-        info = check_config(config)
-        engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
-        ids = engine.tokenizer.encode(text)
-        ppl = perplexity(engine, ids)
-        chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
-        params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-        tokens = [c.token_ids for c in generate(engine, chats, params)]
-        speed = one_stream_tok_s(engine, args.output_len)
+    for dtype, quantization in runs:
+        row, tokens = measure(args, dtype, quantization, text)
         reference = reference or tokens
-        same = sum(a == b for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref))
-        total = sum(len(ref) for ref in reference)
-        whole = sum(ours == ref for ours, ref in zip(tokens, reference))
-        first = [next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
-                 for ours, ref in zip(tokens, reference)]
-        row = {"quantization": quantization, "dtype": args.dtype, "perplexity": ppl, "text_tokens": len(ids),
-               "greedy_token_agreement": same / total, "greedy_prompts_identical": whole / len(reference),
-               "greedy_mean_first_divergence": sum(first) / len(first),
-               "one_stream_tok_s": speed, "weight_bytes": plan_memory(config, info).weight_bytes}
+        row |= agreement(tokens, reference)
         rows.append(row)
-        print(f"{args.dtype} quantization={quantization:<5} perplexity {ppl:7.3f} ({len(ids)} tokens)  greedy tokens "
-              f"agreeing {100 * row['greedy_token_agreement']:5.1f}%, prompts identical {whole}/{len(reference)}, first "
-              f"divergence at token {row['greedy_mean_first_divergence']:.1f} on average  "
-              f"one stream {speed:6.1f} tok/s", flush=True)
+        print(f"{dtype:<8} quantization={quantization:<5} perplexity {row['perplexity']:7.3f} ({row['text_tokens']} "
+              f"tokens)  greedy tokens agreeing {100 * row['greedy_token_agreement']:5.1f}%, prompts identical "
+              f"{round(row['greedy_prompts_identical'] * len(reference))}/{len(reference)}, first divergence at token "
+              f"{row['greedy_mean_first_divergence']:.1f} on average  one stream {row['one_stream_tok_s']:6.1f} tok/s",
+              flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out.write_text(json.dumps({"reference": f"{args.reference_dtype} unquantized", "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
