@@ -60,3 +60,20 @@ def test_compile_is_refused_with_several_ranks(tiny_checkpoints):
     with pytest.raises(ConfigError, match=r"device.compile=true runs on one CPU rank; here device.type=cpu and 2 ranks"):
         check_config(load_config(None, [f"model.path={tiny_checkpoints['llama']}", "device.compile=true",
                                         "parallel.tensor=2"]))
+
+
+def test_a_step_no_graph_fits_runs_eagerly(tiny_checkpoints):
+    """int32 ids fail the graphs' guards: the step runs eagerly (counted) and gives the
+    eager model's output."""
+    import torch
+
+    engine = make_engine(tiny_checkpoints["llama"], "device.compile=true")
+    runner = engine.executor.runner
+    compiled = runner.compiled
+    meta = runner.model.backend.build_metadata([1, 1], [5, 9], [[1], [2]], runner.memory.block_size)
+    ids, positions = torch.tensor([11, 12], dtype=torch.int32), torch.tensor([4, 8])
+    with torch.inference_mode():
+        got, _ = compiled(ids, positions, runner.kv_caches, meta)
+        want, _ = runner.model(ids.long(), positions, runner.kv_caches, meta)
+    assert compiled.eager_steps == 1 and compiled.steps == 0
+    torch.testing.assert_close(got, want)
