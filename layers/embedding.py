@@ -11,8 +11,7 @@ from torch import nn
 
 from meshserve.comm.collectives import gather_from_tp, reduce_from_tp
 from meshserve.comm.groups import AxisGroup
-from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
-from meshserve.layers.quant import quantized_matmul
+from meshserve.layers.matmul import prepared_matmul
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -68,11 +67,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
         """After loading: multiply by a quantized copy (`quantization` int8 | int4), or else
         by a packed copy where that is faster (the weight stays: it may be the embedding's too)."""
-        if self.packed is not None:
-            return
-        self.packed = quantized_matmul(self.weight, quantization, act_dtype or self.weight.dtype)
-        if self.packed is None and packing_helps(self.weight):
-            self.packed = PackedCpuMatmul(self.weight)
+        if self.packed is None:
+            self.packed = prepared_matmul(self.weight, quantization, act_dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # (num_samples, hidden_size) -> (num_samples, vocab_size) on tp rank 0

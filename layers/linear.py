@@ -14,8 +14,7 @@ from torch import nn
 from meshserve.comm.collectives import reduce_from_tp
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs.memory import local_num_kv_heads
-from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
-from meshserve.layers.quant import quantized_matmul
+from meshserve.layers.matmul import prepared_matmul
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -53,13 +52,10 @@ class LinearBase(nn.Module):
         """After loading: multiply by a quantized copy (`quantization` int8 | int4, with
         activations in `act_dtype`), or else by a packed copy where that is faster; either
         replaces the stored weight, which is freed."""
-        if self.packed is not None:
-            return
-        self.packed = quantized_matmul(self.weight, quantization, act_dtype or self.weight.dtype)
-        if self.packed is None and packing_helps(self.weight):
-            self.packed = PackedCpuMatmul(self.weight)
-        if self.packed is not None:
-            self.weight.data = self.weight.data.new_empty(0)
+        if self.packed is None:
+            self.packed = prepared_matmul(self.weight, quantization, act_dtype)
+            if self.packed is not None:
+                self.weight.data = self.weight.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (no bias)."""

@@ -1,5 +1,6 @@
-"""How a linear layer multiplies: y = x W^T, by the weight as stored (any device), or by
-a copy packed once into oneDNN's blocked layout (on CPU, where the kernels otherwise
+"""How a linear layer multiplies: y = x W^T, by the weight as stored (any device), by a
+weight-only quantized copy (meshserve.layers.quant, model.quantization), or by a copy
+packed once into oneDNN's blocked layout (on CPU, where the kernels otherwise
 re-layout the weight on every call). Measured here with SmolLM2's shapes on 2 cores: bf16
 2x faster at decode sizes; float32 2.5-4x at 32 rows (1047 -> 275 us for the 576 x 3072
 gate/up; 22 -> 5 ms for the 49152-row head) and 3.5x for the head at one row, a few us
@@ -8,6 +9,8 @@ slower for the smallest matrices at one row."""
 from __future__ import annotations
 
 import torch
+
+from meshserve.layers.quant import quantized_matmul
 
 
 class PackedCpuMatmul:
@@ -34,6 +37,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 @packed_linear.register_fake
 def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+def prepared_matmul(weight: torch.Tensor, quantization: str = "none", act_dtype: torch.dtype | None = None):
+    """What a loaded weight is multiplied by from now on: a quantized copy (`quantization`
+    int8 | int4, activations in `act_dtype`), else a packed copy where packing helps, else
+    None (the weight as stored)."""
+    prepared = quantized_matmul(weight, quantization, act_dtype or weight.dtype)
+    if prepared is None and packing_helps(weight):
+        prepared = PackedCpuMatmul(weight)
+    return prepared
 
 
 def packing_helps(weight: torch.Tensor) -> bool:

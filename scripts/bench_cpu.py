@@ -62,11 +62,20 @@ def prefill_seconds(engine, length: int) -> float:
     return time.perf_counter() - start
 
 
+def parse_variant(variant: str) -> tuple[str, str, bool]:
+    """dtype[:quantization[:compile]] -> (dtype, quantization, compile)."""
+    dtype, quantization, *flags = variant.split(":") + ["none"]
+    if dtype not in DTYPES or any(f not in ("compile", "none") for f in flags):
+        raise ValueError(f"--variants {variant}: expected dtype[:quantization[:compile]], dtype one of "
+                         f"{', '.join(DTYPES)}")
+    return dtype, quantization, "compile" in flags
+
+
 def run_variant(args, variant: str, prompt: list[int], bandwidth: float) -> dict:
     """One meshserve variant in this process: the --variant child's work."""
-    dtype, quantization, *flags = variant.split(":") + ["none"]
+    dtype, quantization, compile_decode = parse_variant(variant)
     config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
-                                "model.max_model_len=1024", f"device.compile={'compile' in flags}"])
+                                "model.max_model_len=1024", f"device.compile={compile_decode}"])
     info = check_config(config)
     built = time.perf_counter()
     engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
@@ -113,9 +122,10 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     for variant in args.variants:
-        dtype, quantization, *flags = variant.split(":") + ["none"]
-        if dtype not in DTYPES or any(f not in ("compile", "none") for f in flags):
-            ap.error(f"--variants {variant}: expected dtype[:quantization[:compile]], dtype one of {', '.join(DTYPES)}")
+        try:
+            parse_variant(variant)
+        except ValueError as e:
+            ap.error(str(e))
     torch.set_num_threads(args.threads)
     prompt = make_prompts(1, args.prompt_len)[0]
     if args.peer:

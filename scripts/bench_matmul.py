@@ -2,9 +2,9 @@
 by a weight is fastest at each batch size (decode rows) in this run.
 
 Kernels: dense float32 and bfloat16 (`F.linear`), bfloat16 packed for oneDNN (the path
-meshserve uses for bf16 on CPU), int8 weight-only (`_weight_int8pack_mm`), int4
+meshserve uses for bf16 on CPU), int8 weight-only (`_weight_int8pack_mm`) and int4
 weight-only with groups of 32 (`_weight_int4pack_mm_for_cpu`, the layout GGUF's Q4_1 maps
-onto), and int8 weights x int8 activations quantized per row on the fly (`_int_mm`).
+onto), both as model.quantization runs them (meshserve.layers.quant), and int8 weights x int8 activations quantized per row on the fly (`_int_mm`).
 Median of several timed runs each; GB/s counts the weight bytes read once per call.
 
     python scripts/bench_matmul.py [--rows 1 8 32 512] [--output FILE.json]
@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from meshserve.layers.matmul import PackedCpuMatmul
+from meshserve.layers.quant import Int4Matmul, Int8Matmul
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -51,23 +54,12 @@ def kernels(weight: torch.Tensor):
         return xb_cache[key]
 
     out["bf16"] = (lambda x: F.linear(bf16_input(x), w16), n * k * 2)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w16, 32)
-    out["bf16_packed"] = (lambda x: torch.ops.mkldnn._linear_pointwise(bf16_input(x), packed, None, "none", [], ""),
-                          n * k * 2)
-    scale = weight.abs().amax(dim=1) / 127
-    q8 = (weight / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
-    scale16 = scale.bfloat16()
-    out["int8_weight_only"] = (lambda x: torch.ops.aten._weight_int8pack_mm(bf16_input(x), q8, scale16), n * k)
-    group = 32
-    grouped = weight.view(n, k // group, group)
-    lo, hi = grouped.amin(-1), grouped.amax(-1)
-    step = ((hi - lo) / 15).clamp(min=1e-8)
-    q4 = ((grouped - lo[..., None]) / step[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
-    packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
-    scales_zeros = torch.stack([step.t(), (lo + 8 * step).t()], dim=-1).contiguous().bfloat16()
-    out["int4_groups32"] = (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(bf16_input(x), packed4, group,
-                                                                                  scales_zeros), n * k // 2)
-    q8t = q8.t().contiguous()
+    packed = PackedCpuMatmul(w16)
+    out["bf16_packed"] = (lambda x: packed(bf16_input(x)), n * k * 2)
+    int8, int4 = Int8Matmul(weight, torch.bfloat16), Int4Matmul(weight, torch.bfloat16)
+    out["int8_weight_only"] = (lambda x: int8(bf16_input(x)), n * k)
+    out["int4_groups32"] = (lambda x: int4(bf16_input(x)), n * k // 2)
+    q8t, scale = int8.codes.t().contiguous(), int8.scale.float()
 
     def w8a8(x):
         xs = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
