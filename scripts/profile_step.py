@@ -7,6 +7,7 @@ Prints the ops that take the most time (self CPU), the split per step, the host 
 and each op group's share; writes JSON (and a Chrome trace with --trace).
 
     python scripts/profile_step.py [--batch 32] [--set model.dtype=bfloat16] [--steps 10] [--trace FILE.json]
+    python scripts/profile_step.py --prefill --batch 1 --prompt-len 512 --set model.dtype=bfloat16
 """
 
 from __future__ import annotations
@@ -33,6 +34,49 @@ def split(engine) -> dict[str, float]:
             "forward": r.forward_seconds, "sample": r.sample_seconds, "postprocess": s.postprocess_seconds}
 
 
+GROUPS = {"matmul (linear/mm)": ("aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
+                                  "aten::matmul", "aten::bmm"),
+          "quantized matmul (int4/int8)": ("aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm"),
+          "attention (sdpa)": ("aten::_scaled_dot_product", "aten::scaled_dot_product_attention"),
+          "kv cache (index/copy)": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::copy_"),
+          "compiled graph's own kernels": ("## Call CompiledFxGraph",),
+          "torch.compile guards": ("TorchDynamo Cache Lookup",)}
+
+
+def op_group_shares(prof) -> dict[str, float]:
+    """Each op group's share of the profiled self CPU time."""
+    events = prof.key_averages()
+    total_us = sum(e.self_cpu_time_total for e in events)
+    return {name: (sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / total_us
+                   if total_us else 0.0) for name, prefixes in GROUPS.items()}
+
+
+def profile_prefill(engine, args, prompts, params) -> None:
+    """--prefill: one step prefilling every prompt, after a throwaway one of the same size."""
+    for round_ in ("warm-up", "profiled"):
+        for i, p in enumerate(prompts):
+            engine.add_request((round_, i), f"{round_}-{i}", p, params)
+        if round_ == "profiled":
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                engine.step()
+                seconds = time.perf_counter() - start
+        else:
+            engine.step()
+        for i in range(len(prompts)):
+            engine.abort((round_, i))
+        while engine.has_work():
+            engine.step()
+    shares = op_group_shares(prof)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(f"prefill of {args.batch} x {args.prompt_len} tokens: {1000 * seconds:.0f} ms under the profiler")
+    print("self CPU time by op group: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"prefill": True, "batch": args.batch, "prompt_len": args.prompt_len,
+                               "overrides": args.overrides, "seconds": seconds, "op_group_share": shares}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
@@ -42,6 +86,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile one step prefilling --batch prompts of --prompt-len tokens instead")
     ap.add_argument("--output", default="results/profile_step.json")
     args = ap.parse_args()
 
@@ -51,6 +97,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1000, 40000, (args.batch, args.prompt_len), generator=g).tolist()
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    if args.prefill:
+        profile_prefill(engine, args, prompts, params)
+        return
     for i, p in enumerate(prompts):
         engine.add_request(i, str(i), p, params)
     for _ in range(5):  # prefill, then a few decode steps to warm up
@@ -72,18 +121,7 @@ def main() -> None:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    total_us = sum(e.self_cpu_time_total for e in prof.key_averages())
-    groups = {"matmul (linear/mm)": ("aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
-                                     "aten::matmul", "aten::bmm"),
-              "quantized matmul (int4/int8)": ("aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm"),
-              "attention (sdpa)": ("aten::_scaled_dot_product", "aten::scaled_dot_product_attention"),
-              "kv cache (index/copy)": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::copy_"),
-              "compiled graph's own kernels": ("## Call CompiledFxGraph",),
-              "torch.compile guards": ("TorchDynamo Cache Lookup",)}
-    shares = {}
-    for name, prefixes in groups.items():
-        us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(prefixes))
-        shares[name] = us / total_us if total_us else 0.0
+    shares = op_group_shares(prof)
 
     print(f"model {config.model.path}, dtype {config.torch_dtype_name}, batch {args.batch}, "
           f"{args.threads} threads; {args.timed_steps} decode steps timed, {args.steps} profiled")
