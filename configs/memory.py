@@ -112,11 +112,10 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     # The first stage holds the embedding, the last the LM head (tied: loaded on both ends).
     ends = embed * (1 if (pp > 1 or info.tie_word_embeddings) else 2)
     quantization = config.model.quantization
-    weight_bytes = int((most_layers * per_layer / tp + ends + h) * nbytes)
-    if quantization != "none":  # the layers' matmuls quantized; the head's a quantized copy beside the embedding
-        weight_bytes = int(most_layers * per_layer / tp * matmul_bytes_per_param(quantization, nbytes)
-                           + embed * (nbytes + matmul_bytes_per_param(head_quantization(quantization), nbytes))
-                           + h * nbytes)
+    # Quantized: the layers' matmuls shrink, and the head gets a quantized copy beside its weight.
+    head_copy = 0.0 if quantization == "none" else embed * matmul_bytes_per_param(head_quantization(quantization), nbytes)
+    weight_bytes = int(most_layers * per_layer / tp * matmul_bytes_per_param(quantization, nbytes)
+                       + (ends + h) * nbytes + head_copy)
 
     kv_heads = local_num_kv_heads(info.num_key_value_heads, tp)
     kv_per_token = 2 * most_layers * kv_heads * info.head_dim * nbytes
