@@ -25,6 +25,13 @@ from meshserve.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
+COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+"""Inductor's options. cpp_wrapper: the graph's kernels are called from generated C++
+rather than from a Python wrapper, some 300 calls per step at one stream (measured on
+SmolLM2 int4: 158-168 vs 118 tok/s; at 32 sequences 39.0 vs 43.8 ms per step). Its first
+compile builds that C++ (166 s vs 36 s for SmolLM2); inductor's on-disk cache makes later
+start-ups of the same model and shapes as fast as without it."""
+
 WARM_UP_WIDTH = 3
 """Block-table width of the warm-up steps: above 1, and unlike the warm-up batch of 2, so
 the two dynamic sizes get separate symbols."""
@@ -43,7 +50,7 @@ def _mark_dynamic(input_ids, positions, meta: AttentionMetadata, batch_dynamic: 
 class CompiledDecode:
     def __init__(self, model):
         self.model = model
-        self._compiled = torch.compile(model.forward, options={"freezing": True})
+        self._compiled = torch.compile(model.forward, options=COMPILE_OPTIONS)
         self.steps = 0
         """Steps run through the compiled graphs."""
         self.eager_steps = 0
