@@ -65,10 +65,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """A PackedCpuMatmul or a quantized matmul (meshserve.layers.quant), or None."""
 
     def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
-        """After loading: multiply by a quantized copy (`quantization` int8 | int4), or else
-        by a packed copy where that is faster (the weight stays: it may be the embedding's too)."""
+        """After loading: multiply by a quantized copy (`quantization` int8 | int4; int8 takes
+        int8 inputs too unless they are float32, meshserve.layers.quant), or else by a packed
+        copy where that is faster (the weight stays: it may be the embedding's too)."""
         if self.packed is None:
-            self.packed = prepared_matmul(self.weight, quantization, act_dtype)
+            self.packed = prepared_matmul(self.weight, quantization, act_dtype, int8_activations=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # (num_samples, hidden_size) -> (num_samples, vocab_size) on tp rank 0

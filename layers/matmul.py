@@ -39,11 +39,12 @@ def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
-def prepared_matmul(weight: torch.Tensor, quantization: str = "none", act_dtype: torch.dtype | None = None):
+def prepared_matmul(weight: torch.Tensor, quantization: str = "none", act_dtype: torch.dtype | None = None, *,
+                    int8_activations: bool = False):
     """What a loaded weight is multiplied by from now on: a quantized copy (`quantization`
-    int8 | int4, activations in `act_dtype`), else a packed copy where packing helps, else
-    None (the weight as stored)."""
-    prepared = quantized_matmul(weight, quantization, act_dtype or weight.dtype)
+    int8 | int4, activations in `act_dtype`; `int8_activations`: see quantized_matmul), else
+    a packed copy where packing helps, else None (the weight as stored)."""
+    prepared = quantized_matmul(weight, quantization, act_dtype or weight.dtype, int8_activations=int8_activations)
     if prepared is None and packing_helps(weight):
         prepared = PackedCpuMatmul(weight)
     return prepared

@@ -7,7 +7,12 @@ its time is the weight bytes over the memory bandwidth; fewer bytes, faster toke
   maps each group's min to code 0 and max to 15, which is what `quantize_int4` does
   again on the dequantized values). Multiplied by `_weight_int4pack_mm_for_cpu`, which
   computes (q - 8) * scale + zero with zero = min + 8 * scale.
-- int8, one symmetric scale per output row (`_weight_int8pack_mm`).
+- int8, one symmetric scale per output row (`_weight_int8pack_mm`). The LM head with
+  bf16 activations also quantizes its input to int8 per row, as llama.cpp does for every
+  matmul, and multiplies int8 by int8 (`torch._int_mm`, VNNI/AMX int8): measured on
+  SmolLM2's 49152 x 576 head at one row, 152-314 vs 470-750 us, perplexity 36.28 vs 36.14
+  (scripts/quant_quality.py; bf16 unquantized 36.26). float32 runs keep the weight-only
+  head: they are the precise ones.
 
 Measured here (scripts/bench_matmul.py): at one row these read their bytes as fast as the
 packed bf16 kernel reads its own, so a token costs 1/4 (int4) or 1/2 (int8) of the
@@ -78,9 +83,47 @@ class Int8Matmul:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
 
 
-def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.dtype):
+class Int8DynamicMatmul(Int8Matmul):
+    """x W^T with W in int8 (one scale per row) and x quantized to int8 per row as it comes."""
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
+        super().__init__(weight, act_dtype)
+        self.scale = self.scale.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_dynamic_linear(x, self.codes, self.scale)
+
+
+SLOW_INT_MM_ROWS = range(2, 8)
+"""Row counts where one `_int_mm` call is slower than one per row (measured at SmolLM2's
+head: 2 rows 1107 us in one call, 2 x 152 us row by row; 8 rows and more are faster in one)."""
+
+
+@torch.library.custom_op("meshserve::int8_dynamic_linear", mutates_args=())
+def int8_dynamic_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x W^T for W = codes * scale (per row): x quantized to int8 per row (symmetric, its
+    absmax to 127), an int8 x int8 -> int32 product, then both scales. One opaque op for
+    torch.compile."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    x_scale = rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    xq = (rows / x_scale).round_().to(torch.int8)
+    if len(xq) in SLOW_INT_MM_ROWS:
+        acc = torch.cat([torch._int_mm(row[None], codes.t()) for row in xq])
+    else:
+        acc = torch._int_mm(xq, codes.t())
+    return (acc * x_scale * scale).to(x.dtype).view(*x.shape[:-1], codes.shape[0])
+
+
+@int8_dynamic_linear.register_fake
+def _int8_dynamic_linear_shape(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.dtype, *,
+                     int8_activations: bool = False):
     """The quantized multiply for `weight` ((out, in), loaded at full precision), or None
-    for `none`."""
+    for `none`. `int8_activations`: int8 weights multiply int8-quantized inputs unless the
+    activations are float32."""
     if quantization == "none":
         return None
     if weight.device.type != "cpu":
@@ -88,5 +131,6 @@ def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.d
     if quantization == "int4":
         return Int4Matmul(weight, act_dtype)
     if quantization == "int8":
-        return Int8Matmul(weight, act_dtype)
+        dynamic = int8_activations and act_dtype != torch.float32
+        return (Int8DynamicMatmul if dynamic else Int8Matmul)(weight, act_dtype)
     raise ValueError(f"unknown quantization {quantization!r} ({', '.join(QUANTIZATIONS)})")

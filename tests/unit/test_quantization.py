@@ -17,7 +17,8 @@ from gguf.quants import dequantize
 from meshserve.configs import ConfigError, load_config
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
-from meshserve.layers.quant import (Int4Matmul, Int8Matmul, dequantize_int4, quantize_int4, quantize_int8)
+from meshserve.layers.quant import (Int4Matmul, Int8DynamicMatmul, Int8Matmul, dequantize_int4, quantize_int4,
+                                    quantize_int8)
 from support.reference import hf_logits, hf_model, meshserve_logits
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -65,6 +66,37 @@ def test_int4_and_int8_kernels_match_dense_math_with_dequantized_weights(rows, s
         assert (got16 - want).norm() / want.norm() < 2e-2
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 32])
+def test_int8_activation_head_matches_the_math_on_quantized_inputs(rows):
+    """int8 weights x inputs quantized to int8 per row (symmetric, absmax to 127, in float32):
+    the kernel's result against float64 math on the same integers and scales (only the
+    output's bf16 rounding apart), on the one-call and the row-by-row paths; and within a few % of
+    the unquantized product."""
+    torch.manual_seed(0)
+    w = torch.randn(1000, 576) * 0.05
+    x = torch.randn(rows, 576).bfloat16()
+    codes, scale = quantize_int8(w)
+    x_scale = x.float().abs().amax(-1, keepdim=True) / 127  # float32, as the kernel rounds
+    xq = (x.float() / x_scale).round()
+    want = (xq.double() * x_scale.double()) @ (codes.double() * scale.double()[:, None]).t()
+    got = Int8DynamicMatmul(w, torch.bfloat16)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 1000)
+    torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=8e-3)
+    exact = x.double() @ w.double().t()
+    assert (got.double() - exact).norm() / exact.norm() < 2e-2
+
+
+@pytest.mark.parametrize("dtype,kind", [("bfloat16", Int8DynamicMatmul), ("float32", Int8Matmul)])
+def test_int4_models_head_takes_int8_inputs_only_in_bf16(tiny_checkpoints, dtype, kind):
+    from meshserve.engine.bootstrap import build_single_rank_engine
+
+    config = load_config(None, [f"model.path={tiny_checkpoints['llama-untied']}", f"model.dtype={dtype}",
+                                "model.quantization=int4", "model.max_model_len=64"])
+    info = check_config(config)
+    engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=None)
+    assert type(engine.executor.runner.model.lm_head.packed) is kind
+
+
 def _fake_quantized_hf(path, layers: str, head: str):
     """transformers' model with every linear weight replaced by what meshserve's quantized
     matmul multiplies by: the oracle for the quantized model."""
@@ -97,15 +129,14 @@ def test_quantized_model_matches_transformers_on_dequantized_weights(tiny_checkp
 
 @pytest.mark.slow
 def test_smollm2_int4_perplexity_and_greedy_stay_close(smollm2):
-    """bf16 int4 (the GGUF's own codes) against bf16 unquantized: the perplexity of a fixed
-    text within 2%, and the first greedy tokens the same."""
+    """bf16 int4 (the GGUF's own codes, the head on int8 inputs) against bf16 unquantized:
+    the perplexity of scripts/data/perplexity.txt within 2%, and the first greedy tokens
+    the same."""
     from meshserve.engine.bootstrap import build_single_rank_engine
     from meshserve.comm.messages import SamplingParams
     from meshserve.engine.offline import generate
 
-    text = ("The river town woke slowly on market days. Before sunrise the bakers had already lit their ovens, and "
-            "the smell of bread drifted down the narrow streets toward the water, where fishermen were untangling "
-            "nets and arguing about the weather.")
+    text = (Path(__file__).parents[2] / "scripts" / "data" / "perplexity.txt").read_text()
     results = {}
     for quantization in ("none", "int4"):
         config = load_config(None, ["model.dtype=bfloat16", f"model.quantization={quantization}",
