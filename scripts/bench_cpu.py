@@ -9,8 +9,14 @@ in-process there) and prefills a 128-token prompt, then decodes --output-len tok
 a time (llama.cpp: `Llama.eval` of one token per step; meshserve: engine steps, EOS
 ignored). Prints tok/s, the ratio to llama.cpp, MBU, MFU; median of --repeats; writes JSON.
 
+The machine's speed drifts between processes (llama.cpp alone gave 128-160 tok/s on one
+afternoon), so with --rounds N the peer and every variant run N times in turn, each round's
+ratio taken against that round's peer; the table shows the medians over rounds (tok/s,
+ratio, MBU, prefill) and each round's ratios. Compiled variants reuse inductor's on-disk
+cache after the first round, so later rounds' compile times are the cached start-up.
+
     pip install 'llama-cpp-python[server]'
-    python scripts/bench_cpu.py [--variants float32 bfloat16 bfloat16:int4] [--repeats 3]
+    python scripts/bench_cpu.py [--variants float32 bfloat16 bfloat16:int4] [--repeats 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -95,6 +101,16 @@ def run_variant(args, variant: str, prompt: list[int], bandwidth: float) -> dict
             "matmul_peak": peak}
 
 
+def median_row(runs: list[dict]) -> dict:
+    """One variant over rounds: the median of each figure, the first round's compile time,
+    and each round's ratio."""
+    row = dict(runs[0])
+    for key in ("decode_tok_s", "decode_mbu", "prefill_seconds", "prefill_mfu", "matmul_peak", "ratio_to_llama_cpp"):
+        row[key] = statistics.median(run[key] for run in runs)
+    row["ratios"] = [run["ratio_to_llama_cpp"] for run in runs]
+    return row
+
+
 def child(args, flag: str, value: str, bandwidth: float) -> dict:
     """Run this script for one side in a fresh process: llama.cpp's threads, torch's and
     the compiled graphs of one variant never share a process with another's."""
@@ -115,6 +131,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="run the peer and every variant this many times in turn")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default="results/bench_cpu.json")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -138,22 +155,34 @@ def main() -> None:
 
     bandwidth = measure_memory_bandwidth()
     gguf = str(resolve_model_path("builtin:smollm2-135m-instruct"))
-    peer = child(args, "--peer", gguf, bandwidth)["tok_s"]
-    print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp in-process (Q4_1): {peer:.1f} tok/s",
-          flush=True)
+    peers: list[float] = []
+    runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
+    for r in range(args.rounds):
+        peers.append(child(args, "--peer", gguf, bandwidth)["tok_s"])
+        print(f"round {r + 1}/{args.rounds}: llama.cpp in-process (Q4_1) {peers[-1]:.1f} tok/s", flush=True)
+        for variant in args.variants:
+            row = child(args, "--variant", variant, bandwidth)
+            row["ratio_to_llama_cpp"] = row["decode_tok_s"] / peers[-1]
+            runs[variant].append(row)
+            print(f"  {variant:<22} {row['decode_tok_s']:6.1f} tok/s ({row['ratio_to_llama_cpp']:.2f}x)", flush=True)
+    peer = statistics.median(peers)
+    print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp in-process (Q4_1): {peer:.1f} tok/s"
+          + (f" (median of {args.rounds} rounds)" if args.rounds > 1 else ""), flush=True)
     rows = []
     for variant in args.variants:
-        row = child(args, "--variant", variant, bandwidth)
-        row["ratio_to_llama_cpp"] = row["decode_tok_s"] / peer
+        row = median_row(runs[variant])
         rows.append(row)
         print(f"meshserve {variant:<22} one stream {row['decode_tok_s']:6.1f} tok/s ({row['ratio_to_llama_cpp']:.2f}x "
               f"llama.cpp)  decode MBU {100 * row['decode_mbu']:.1f}%  {args.prefill_len}-token prefill "
               f"{1000 * row['prefill_seconds']:.0f} ms, MFU {100 * row['prefill_mfu']:.1f}% of "
               f"{row['matmul_peak'] / 1e9:.0f} GFLOP/s"
-              + (f"; compiled in {row['compile_seconds']:.0f} s" if row["compile"] else ""), flush=True)
+              + (f"; compiled in {row['compile_seconds']:.0f} s" if row["compile"] else "")
+              + (f"; ratio per round {' '.join(f'{x:.2f}' for x in row['ratios'])}" if args.rounds > 1 else ""),
+              flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bandwidth": bandwidth, "llama_cpp_tok_s": peer, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"bandwidth": bandwidth, "llama_cpp_tok_s": peer, "llama_cpp_rounds": peers,
+                               "rows": rows, "rounds": runs}, indent=1))
 
 
 if __name__ == "__main__":
