@@ -9,9 +9,10 @@ in-process there) and prefills a 128-token prompt, then decodes --output-len tok
 a time (llama.cpp: `Llama.eval` of one token per step; meshserve: engine steps, EOS
 ignored). Prints tok/s, the ratio to llama.cpp, MBU, MFU; median of --repeats; writes JSON.
 
-The machine's speed drifts between processes (llama.cpp alone gave 128-160 tok/s on one
-afternoon), so with --rounds N the peer and every variant run N times in turn, each round's
-ratio taken against that round's peer; the table shows the medians over rounds (tok/s,
+The machine's speed drifts between processes (llama.cpp alone gave 128-174 tok/s on one
+afternoon), so with --rounds N the peer and every variant run N times in turn: each round
+measures the bandwidth, then the peer, then the variants, whose ratios and MBU are taken
+against that round's peer and bandwidth; the table shows the medians over rounds (tok/s,
 ratio, MBU, prefill) and each round's ratios. Compiled variants reuse inductor's on-disk
 cache after the first round, so later rounds' compile times are the cached start-up.
 
@@ -153,19 +154,22 @@ def main() -> None:
         print(json.dumps(run_variant(args, args.variant, prompt, args.bandwidth)))
         return
 
-    bandwidth = measure_memory_bandwidth()
     gguf = str(resolve_model_path("builtin:smollm2-135m-instruct"))
     peers: list[float] = []
+    bandwidths: list[float] = []
     runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
     for r in range(args.rounds):
+        bandwidth = measure_memory_bandwidth()
+        bandwidths.append(bandwidth)
         peers.append(child(args, "--peer", gguf, bandwidth)["tok_s"])
-        print(f"round {r + 1}/{args.rounds}: llama.cpp in-process (Q4_1) {peers[-1]:.1f} tok/s", flush=True)
+        print(f"round {r + 1}/{args.rounds}: read bandwidth {bandwidth / 1e9:.1f} GB/s, llama.cpp in-process (Q4_1) "
+              f"{peers[-1]:.1f} tok/s", flush=True)
         for variant in args.variants:
             row = child(args, "--variant", variant, bandwidth)
             row["ratio_to_llama_cpp"] = row["decode_tok_s"] / peers[-1]
             runs[variant].append(row)
             print(f"  {variant:<22} {row['decode_tok_s']:6.1f} tok/s ({row['ratio_to_llama_cpp']:.2f}x)", flush=True)
-    peer = statistics.median(peers)
+    peer, bandwidth = statistics.median(peers), statistics.median(bandwidths)
     print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp in-process (Q4_1): {peer:.1f} tok/s"
           + (f" (median of {args.rounds} rounds)" if args.rounds > 1 else ""), flush=True)
     rows = []
@@ -181,7 +185,8 @@ def main() -> None:
               flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bandwidth": bandwidth, "llama_cpp_tok_s": peer, "llama_cpp_rounds": peers,
+    out.write_text(json.dumps({"bandwidth": bandwidth, "bandwidth_rounds": bandwidths, "llama_cpp_tok_s": peer,
+                               "llama_cpp_rounds": peers,
                                "rows": rows, "rounds": runs}, indent=1))
 
 
