@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 """Inductor's options. cpp_wrapper: the graph's kernels are called from generated C++
 rather than from a Python wrapper, some 300 calls per step at one stream (measured on
-SmolLM2 int4: 158-168 vs 118 tok/s; at 32 sequences 39.0 vs 43.8 ms per step). Its first
-compile builds that C++ (166 s vs 36 s for SmolLM2); inductor's on-disk cache makes later
-start-ups of the same model and shapes as fast as without it."""
+SmolLM2 int4: 158-168 vs 118 tok/s; at 32 sequences 39.0 vs 43.8 ms per step). The very
+first compile on a machine took 166 s for SmolLM2, later ones 33-38 s, as without it:
+inductor's on-disk cache keeps what it builds."""
 
 WARM_UP_WIDTH = 3
 """Block-table width of the warm-up steps: above 1, and unlike the warm-up batch of 2, so
