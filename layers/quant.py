@@ -87,8 +87,8 @@ class Int8DynamicMatmul(Int8Matmul):
     """x W^T with W in int8 (one scale per row) and x quantized to int8 per row as it comes."""
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
-        super().__init__(weight, act_dtype)
-        self.scale = self.scale.float()
+        self.codes, self.scale = quantize_int8(weight)  # the scale stays float32: the product is rescaled in float32
+        self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return int8_dynamic_linear(x, self.codes, self.scale)
