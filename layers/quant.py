@@ -10,7 +10,7 @@ its time is the weight bytes over the memory bandwidth; fewer bytes, faster toke
 - int8, one symmetric scale per output row (`_weight_int8pack_mm`). The LM head with
   bf16 activations also quantizes its input to int8 per row, as llama.cpp does for every
   matmul, and multiplies int8 by int8 (`torch._int_mm`, VNNI/AMX int8): measured on
-  SmolLM2's 49152 x 576 head at one row, 152-314 vs 470-750 us, perplexity 36.28 vs 36.14
+  SmolLM2's 49152 x 576 head at one row, 152-314 vs 470-750 us, perplexity 36.25 vs 36.14
   (scripts/quant_quality.py; bf16 unquantized 36.26). float32 runs keep the weight-only
   head: they are the precise ones.
 
