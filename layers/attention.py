@@ -8,7 +8,8 @@ block_table[t // block_size] * block_size + t % block_size.
 
 A step is a flat batch of new tokens from several sequences: sequences with one new
 token (decodes) are computed together in one batched call; sequences with several
-(prefill chunks) one by one, each attending to its cached prefix and itself, causally.
+(prefill chunks) one by one, each attending to its cached prefix and itself, causally,
+in blocks of QUERY_BLOCK rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,25 @@ from meshserve.comm.groups import AxisGroup
 from meshserve.layers.context_attention import ContextParallelMetadata, cp_attention
 
 
+QUERY_BLOCK = 64
+"""Rows of a prefill chunk per attention call. Each block attends only to the keys up to
+its own last row, which torch's CPU flash kernel under is_causal does not skip (measured
+with SmolLM2's 9 heads, 3 KV heads, head_dim 64 on 2 cores, bf16: 512 tokens 2.66 vs
+3.52 ms, 1,024 9.6 vs 11.2 ms, 2,048 the same)."""
+
+
+@dataclass
+class QueryBlock:
+    start: int
+    """First row of the block within its chunk."""
+    end: int
+    kv_len: int
+    """Keys it attends to: the cached prefix and the chunk's rows up to `end`."""
+    mask: torch.Tensor | None
+    """(end - start, kv_len) bool, causal; None for a square block (the chunk's first, no
+    prefix), which the kernel masks itself (is_causal), a little faster (86 vs 96 us at 64 rows)."""
+
+
 @dataclass
 class PrefillChunk:
     start: int
@@ -34,8 +54,7 @@ class PrefillChunk:
     """Tokens in the cache after this step: cached prefix + query_len."""
     block_table: torch.Tensor
     """(num_blocks_of_seq,) block ids."""
-    mask: torch.Tensor | None = None
-    """(query_len, seq_len) bool, causal aligned to the bottom right; None if no prefix."""
+    query_blocks: list[QueryBlock] = field(default_factory=list)
 
 
 @dataclass
@@ -123,11 +142,24 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
             continue
         s = seq_lens[i]
         n_blocks = (s + block_size - 1) // block_size
-        mask = None
-        if s != q:
-            mask = torch.arange(s, device=device)[None, :] <= (torch.arange(q, device=device)[:, None] + (s - q))
-        meta.prefills.append(PrefillChunk(starts[i], q, s, torch.tensor(block_tables[i][:n_blocks], device=device), mask))
+        meta.prefills.append(PrefillChunk(starts[i], q, s, torch.tensor(block_tables[i][:n_blocks], device=device),
+                                          query_blocks(q, s - q, device)))
     return meta
+
+
+def query_blocks(query_len: int, prefix: int, device) -> list[QueryBlock]:
+    """A chunk's rows in QUERY_BLOCK-row blocks, each with its causal mask (built once per
+    step, used by every layer)."""
+    blocks = []
+    for start in range(0, query_len, QUERY_BLOCK):
+        end = min(query_len, start + QUERY_BLOCK)
+        kv_len = prefix + end
+        mask = None
+        if start + prefix:
+            mask = torch.arange(kv_len, device=device)[None, :] <= torch.arange(start + prefix, end + prefix,
+                                                                                 device=device)[:, None]
+        blocks.append(QueryBlock(start, end, kv_len, mask))
+    return blocks
 
 
 class PagedAttention(nn.Module):
@@ -190,13 +222,15 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
 
 
 def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    if chunk.mask is None:  # no cached prefix: attend within the chunk, the new K/V at hand
+    if chunk.seq_len == chunk.query_len:  # no cached prefix: attend within the chunk, the new K/V at hand
         keys, values = k, v
     else:
         keys = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
         values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
     # NOTE: 4-D inputs: with 3-D ones torch's CPU SDPA takes the math path (8x slower, L^2 memory).
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                       values.transpose(0, 1)[None], attn_mask=chunk.mask,
-                                       is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
+    q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    out = torch.cat([F.scaled_dot_product_attention(q[:, :, b.start:b.end], keys[:, :, :b.kv_len],
+                                                    values[:, :, :b.kv_len], attn_mask=b.mask,
+                                                    is_causal=b.mask is None, scale=scale, enable_gqa=True)
+                     for b in chunk.query_blocks], dim=2)
+    return out[0].transpose(0, 1)
