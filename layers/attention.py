@@ -197,7 +197,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.query_len)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, out=out[rows])
     return out
 
 
@@ -221,7 +221,8 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     return o.reshape(n, heads, head_dim)
 
 
-def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float, out: torch.Tensor) -> None:
+    """Writes the chunk's attention into `out` (query_len, heads, head_dim), block by block."""
     if chunk.seq_len == chunk.query_len:  # no cached prefix: attend within the chunk, the new K/V at hand
         keys, values = k, v
     else:
@@ -229,8 +230,7 @@ def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> to
         values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
     # NOTE: 4-D inputs: with 3-D ones torch's CPU SDPA takes the math path (8x slower, L^2 memory).
     q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    out = torch.cat([F.scaled_dot_product_attention(q[:, :, b.start:b.end], keys[:, :, :b.kv_len],
-                                                    values[:, :, :b.kv_len], attn_mask=b.mask,
-                                                    is_causal=b.mask is None, scale=scale, enable_gqa=True)
-                     for b in chunk.query_blocks], dim=2)
-    return out[0].transpose(0, 1)
+    for b in chunk.query_blocks:
+        o = F.scaled_dot_product_attention(q[:, :, b.start:b.end], keys[:, :, :b.kv_len], values[:, :, :b.kv_len],
+                                           attn_mask=b.mask, is_causal=b.mask is None, scale=scale, enable_gqa=True)
+        out[b.start:b.end] = o[0].transpose(0, 1)

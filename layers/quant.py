@@ -83,7 +83,7 @@ class Int8Matmul:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
 
 
-class Int8DynamicMatmul(Int8Matmul):
+class Int8DynamicMatmul:
     """x W^T with W in int8 (one scale per row) and x quantized to int8 per row as it comes."""
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):

@@ -9,8 +9,8 @@ in-process there) and prefills a 128-token prompt, then decodes --output-len tok
 a time (llama.cpp: `Llama.eval` of one token per step; meshserve: engine steps, EOS
 ignored). Prints tok/s, the ratio to llama.cpp, MBU, MFU; median of --repeats; writes JSON.
 
-The machine's speed drifts between processes (llama.cpp alone gave 128-174 tok/s on one
-afternoon), so with --rounds N the peer and every variant run N times in turn: each round
+The machine's speed drifts between processes (llama.cpp alone gave 128-188 tok/s in one
+evening), so with --rounds N the peer and every variant run N times in turn: each round
 measures the bandwidth, then the peer, then the variants, whose ratios and MBU are taken
 against that round's peer and bandwidth; the table shows the medians over rounds (tok/s,
 ratio, MBU, prefill) and each round's ratios. Compiled variants reuse inductor's on-disk
