@@ -55,10 +55,11 @@ class DeviceConfig(Section):
     type: Literal["cpu", "cuda"] = "cpu"
     threads: PositiveInt | None = None
     """Intra-op threads per rank on CPU; by default cores / local ranks."""
-    kernels: Literal["auto", "torch", "triton"] = "auto"
+    kernels: Literal["auto", "torch", "triton", "cpu"] = "auto"
     """What computes attention, RMSNorm and rotary: `torch` (the reference), `triton`
-    (meshserve's kernels, CUDA only, `pip install 'meshserve[gpu]'`); `auto`: triton on CUDA
-    when installed, else torch."""
+    (meshserve's kernels, CUDA only, `pip install 'meshserve[gpu]'`), `cpu` (torch with
+    meshserve's C++ decode attention, built on first use); `auto`: triton on CUDA when
+    installed, cpu on the CPU when its kernel builds, else torch."""
     compile: bool = False
     """Run decode steps through torch.compile (inductor, weights frozen): fuses the small
     ops between matmuls, for one or a few streams on CPU. Compiles at start-up (tens of

@@ -59,7 +59,11 @@ def cluster_problems(config: Config, info: ModelInfo | None = None) -> list[str]
 
 
 def kernel_problems(config: Config) -> list[str]:
-    """device.kernels=triton needs CUDA and triton (looked up, not imported: no torch here)."""
+    """device.kernels=triton needs CUDA and triton (looked up, not imported: no torch
+    here); device.kernels=cpu needs the CPU."""
+    if config.device.kernels == "cpu" and config.device.type != "cpu":
+        return [f"device.kernels=cpu is meshserve's C++ kernel for the CPU, not for device.type={config.device.type} "
+                f"(use device.kernels=auto, triton or torch)"]
     if config.device.kernels != "triton":
         return []
     if config.device.type != "cuda":

@@ -9,7 +9,7 @@ vary more and their time is in the matmuls.
 
 Two graphs, compiled at start-up: one sequence, and two or more (torch specializes a size
 of 1). The batch and block-table sizes are marked dynamic, so later steps reuse them; a
-block table one block wide is padded to two (the mask hides the padding), since width 1
+block table one block wide is padded to two (the mask or the lengths hide the padding), since width 1
 would be a third graph. A step that would still need a recompile runs eagerly instead
 (counted), so serving never stalls on the compiler.
 """
@@ -38,13 +38,14 @@ the two dynamic sizes get separate symbols."""
 
 
 def _mark_dynamic(input_ids, positions, meta: AttentionMetadata, batch_dynamic: bool) -> None:
-    for tensor, dims in ((meta.decode_block_tables, (1,)), (meta.decode_mask, (3,))):
-        for dim in dims:
-            torch._dynamo.mark_dynamic(tensor, dim)
+    torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
+    if meta.decode_mask is not None:
+        torch._dynamo.mark_dynamic(meta.decode_mask, 3)
     if batch_dynamic:
         for tensor in (input_ids, positions, meta.slot_mapping, meta.decode_rows, meta.decode_block_tables,
-                       meta.decode_mask):
-            torch._dynamo.mark_dynamic(tensor, 0)
+                       meta.decode_mask, meta.decode_lens):
+            if tensor is not None:
+                torch._dynamo.mark_dynamic(tensor, 0)
 
 
 class CompiledDecode:
@@ -68,7 +69,8 @@ class CompiledDecode:
         meta.workspace = None
         if meta.decode_block_tables.shape[1] == 1:
             meta.decode_block_tables = torch.cat([meta.decode_block_tables, meta.decode_block_tables], dim=1)
-            meta.decode_mask = torch.cat([meta.decode_mask, torch.zeros_like(meta.decode_mask)], dim=3)
+            if meta.decode_mask is not None:
+                meta.decode_mask = torch.cat([meta.decode_mask, torch.zeros_like(meta.decode_mask)], dim=3)
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = self._compiled(input_ids, positions, kv_caches, meta, hidden, residual)

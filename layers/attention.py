@@ -7,7 +7,8 @@ blocks its block table lists; token t of a sequence is at slot
 block_table[t // block_size] * block_size + t % block_size.
 
 A step is a flat batch of new tokens from several sequences: sequences with one new
-token (decodes) are computed together in one batched call; sequences with several
+token (decodes) are computed together in one batched call (gather + SDPA, or the cpu
+backend's C++ kernel reading the cache in place); sequences with several
 (prefill chunks) one by one, each attending to its cached prefix and itself, causally,
 in blocks of QUERY_BLOCK rows.
 """
@@ -24,6 +25,7 @@ from torch import nn
 
 from meshserve.comm.groups import AxisGroup
 from meshserve.layers.context_attention import ContextParallelMetadata, cp_attention
+from meshserve.layers.kernels import cpu_attention
 
 
 QUERY_BLOCK = 64
@@ -72,7 +74,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     """(num_decodes, max_blocks) block ids, padded with block 0."""
     decode_mask: torch.Tensor | None = None
-    """(num_decodes, 1, 1, max_blocks * block_size) bool: which cached positions exist."""
+    """(num_decodes, 1, 1, max_blocks * block_size) bool: which cached positions exist
+    (for the gather + SDPA path)."""
+    decode_lens: torch.Tensor | None = None
+    """(num_decodes,) int64 cached tokens of each: set instead of decode_mask for the cpu
+    backend's C++ kernel, which reads the cache in place."""
     prefills: list[PrefillChunk] = field(default_factory=list)
     workspace: "GatherWorkspace | None" = None
     """The backend's reusable buffers for the decode gather, if it keeps them."""
@@ -120,8 +126,10 @@ def starts_and_slots(query_lens: list[int], seq_lens: list[int], block_tables: l
 
 def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                              block_size: int, device: torch.device | str = "cpu",
-                             workspace: GatherWorkspace | None = None) -> AttentionMetadata:
-    """Host lists -> the tensors the torch backend needs, built once per step."""
+                             workspace: GatherWorkspace | None = None,
+                             decode_kernel: bool = False) -> AttentionMetadata:
+    """Host lists -> the tensors the torch backend needs, built once per step;
+    `decode_kernel`: decodes go to the C++ kernel (lengths, no mask)."""
     starts, slots = starts_and_slots(query_lens, seq_lens, block_tables, block_size)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -135,8 +143,12 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         tables = [block_tables[i] + [0] * (width - len(block_tables[i])) for i in decodes]
         meta.decode_rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-        lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
-        meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.long, device=device)
+        if decode_kernel:
+            meta.decode_lens = lens
+        else:
+            meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :]
+                                < lens[:, None])[:, None, None, :]
     for i, q in enumerate(query_lens):
         if q == 1:
             continue
@@ -202,6 +214,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.decode_lens is not None:
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                                                    scale)
     n, width = meta.decode_block_tables.shape
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     blocks = meta.decode_block_tables.flatten()

@@ -2,14 +2,16 @@
 
 The model gets one backend object when it is built and calls it; the model code never
 branches on the device:
-- `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE). The default on
-  CPU, and the reference every other backend is tested against.
+- `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE): the reference
+  every other backend is tested against, and the default on CPU without a C++ compiler.
+- `CpuBackend`: the torch backend with decode attention in meshserve's C++ kernel, which
+  reads the paged cache in place. The default on CPU when the kernel builds.
 - `TritonBackend` (meshserve.layers.kernels.triton_backend): meshserve's Triton kernels,
   the default on CUDA when triton is installed (`pip install 'meshserve[gpu]'`).
 
 A backend also builds the per-step attention metadata (`build_metadata`): each backend's
 step inputs cost only what that backend reads. `select_backend` maps the config's
-`device.kernels` (auto | torch | triton) to a backend.
+`device.kernels` (auto | torch | triton | cpu) to a backend.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import logging
 import torch
 
 from meshserve.layers import attention, context_attention, norm, rotary
-from meshserve.layers.kernels import triton_available
+from meshserve.layers.kernels import cpu_attention, triton_available
 from meshserve.parallel import ring_attention
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 class Backend:
@@ -86,14 +88,29 @@ class TorchBackend(Backend):
     rotary = staticmethod(rotary.RotaryEmbedding.apply)
 
 
+class CpuBackend(TorchBackend):
+    """The torch backend with decode attention in meshserve's C++ kernel
+    (meshserve.layers.kernels.cpu_attention), which reads the paged cache in place."""
+
+    name = "cpu"
+
+    def __init__(self):
+        self.workspace = None
+
+    def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
+        return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device,
+                                                  decode_kernel=True)
+
+
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
-    """`auto`: triton on CUDA when it is installed, else torch."""
+    """`auto`: triton on CUDA when it is installed, else torch; cpu on the CPU when its
+    C++ kernel builds, else torch."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown kernel backend {name!r} (auto, {', '.join(BACKENDS)})")
     if name != "auto":
         return name
     if torch.device(device).type != "cuda":
-        return "torch"
+        return "cpu" if cpu_attention.available() else "torch"
     if triton_available():
         return "triton"
     log.warning("device.kernels=auto on CUDA without triton: using the torch backend "
@@ -102,10 +119,14 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
 
 
 def select_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
-    """The backend for config value `name` (auto | torch | triton) on `device`."""
+    """The backend for config value `name` (auto | torch | triton | cpu) on `device`."""
     resolved = resolve_backend_name(name, device)
     if resolved == "torch":
         return TorchBackend()
+    if resolved == "cpu":
+        if torch.device(device).type != "cpu" or not cpu_attention.available():
+            raise RuntimeError(f"device.kernels=cpu needs the CPU and a C++ compiler for its kernel (device {device})")
+        return CpuBackend()
     if not triton_available():
         raise ImportError("device.kernels=triton needs triton: pip install 'meshserve[gpu]'")
     from meshserve.layers.kernels.triton_backend import TritonBackend

@@ -1,5 +1,6 @@
-"""meshserve's Triton kernels (the `[gpu]` extra): paged decode and prefill attention, both
+"""meshserve's kernels. Triton (the `[gpu]` extra): paged decode and prefill attention, both
 returning the log-sum-exp; RMSNorm fused with the residual add; rotary applied in place.
+C++ for the CPU (`cpu_attention.py`, built by torch on first use): paged decode attention.
 
 One file per kernel, each with its Python wrapper; `triton_backend.py` puts them behind the
 `Backend` interface the model uses (meshserve.layers.backend). Nothing imports triton until

@@ -369,15 +369,16 @@ MODEL_PROMPTS = [[1, 504, 3575, 288, 2245, 314, 4469, 30, 216], [1, 9519, 28, 45
                                                                   6025, 446], [1, 2, 3]]
 
 
-def compare_backends(path: str, dtype: torch.dtype, device: str, max_new_tokens: int = 6) -> dict:
-    """Greedy tokens of the torch and Triton backends; then the Triton backend teacher-forced
-    with the torch tokens, and the largest logit difference over all those steps."""
+def compare_backends(path: str, dtype: torch.dtype, device: str, max_new_tokens: int = 6,
+                     other: str = "triton") -> dict:
+    """Greedy tokens of the torch backend and `other`; then `other` teacher-forced with the
+    torch tokens, and the largest logit difference over all those steps."""
     want, want_logits = greedy_run(path, "torch", dtype, device, MODEL_PROMPTS, max_new_tokens)
-    got, _ = greedy_run(path, "triton", dtype, device, MODEL_PROMPTS, max_new_tokens)
-    _, forced_logits = greedy_run(path, "triton", dtype, device, MODEL_PROMPTS, max_new_tokens, forced=want)
+    got, _ = greedy_run(path, other, dtype, device, MODEL_PROMPTS, max_new_tokens)
+    _, forced_logits = greedy_run(path, other, dtype, device, MODEL_PROMPTS, max_new_tokens, forced=want)
     diff = max(err(a, b) for a, b in zip(forced_logits, want_logits))
     scale = max(float(lg.abs().max()) for lg in want_logits)
-    return {"torch": want, "triton": got, "logits_max_diff": diff, "logits_scale": scale}
+    return {"torch": want, other: got, "logits_max_diff": diff, "logits_scale": scale}
 
 
 def main() -> None:

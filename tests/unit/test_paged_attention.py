@@ -1,12 +1,15 @@
-"""The torch backend's paged attention against dense causal attention over the whole
-sequence: prefill chunks of several query blocks, with and without a cached prefix, next
-to a decoding sequence in the same step."""
+"""The torch and cpu backends' paged attention against dense causal attention over the
+whole sequence: prefill chunks of several query blocks, with and without a cached prefix,
+next to a decoding sequence in the same step (its decode by gather + SDPA, or by the C++
+kernel)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from meshserve.layers.attention import QUERY_BLOCK, build_attention_metadata, paged_attention
+from meshserve.layers.kernels import cpu_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
 
@@ -20,7 +23,9 @@ def dense_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
 
 
-def test_chunks_of_several_query_blocks_match_dense_attention():
+@pytest.mark.parametrize("decode_kernel", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel"))])
+def test_chunks_of_several_query_blocks_match_dense_attention(decode_kernel):
     torch.manual_seed(0)
     first, second = 2 * QUERY_BLOCK + 5, QUERY_BLOCK + 20  # sequence A: prefill, then a chunk after its prefix
     other = 30  # sequence B: prefilled in step 1, decodes one token in step 2
@@ -35,7 +40,9 @@ def test_chunks_of_several_query_blocks_match_dense_attention():
     assert len(meta.prefills[0].query_blocks) == 3
     out1 = paged_attention(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
                            torch.cat([va[:first], vb[:other]]), cache, meta, scale)
-    meta = build_attention_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK)
+    meta = build_attention_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK,
+                                    decode_kernel=decode_kernel)
+    assert (meta.decode_lens is not None) == decode_kernel and (meta.decode_mask is None) == decode_kernel
     assert [b.mask is not None for b in meta.prefills[0].query_blocks] == [True, True]
     out2 = paged_attention(torch.cat([qa[first:], qb[other:]]), torch.cat([ka[first:], kb[other:]]),
                            torch.cat([va[first:], vb[other:]]), cache, meta, scale)

@@ -1,4 +1,4 @@
-"""Choosing the kernel backend (config key device.kernels, auto | torch | triton), and the
+"""Choosing the kernel backend (config key device.kernels, auto | torch | triton | cpu), and the
 Triton backend's host-side pieces that need no kernel launch: its step metadata (vs the
 torch backend's) and the flash-decoding split heuristic."""
 
@@ -11,15 +11,17 @@ from meshserve.configs import load_config
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.validate import check_config
 from meshserve.layers.attention import build_attention_metadata
-from meshserve.layers.backend import TorchBackend, resolve_backend_name, select_backend
-from meshserve.layers.kernels import triton_available
+from meshserve.layers.backend import CpuBackend, TorchBackend, resolve_backend_name, select_backend
+from meshserve.layers.kernels import cpu_attention, triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 
-def test_auto_is_torch_on_cpu_and_triton_on_cuda():
-    assert resolve_backend_name("auto", "cpu") == "torch"
-    assert isinstance(select_backend("auto", "cpu"), TorchBackend)
+def test_auto_is_cpu_on_cpu_and_triton_on_cuda():
+    cpu = cpu_attention.available()
+    assert resolve_backend_name("auto", "cpu") == ("cpu" if cpu else "torch")
+    assert isinstance(select_backend("auto", "cpu"), CpuBackend if cpu else TorchBackend)
+    assert type(select_backend("torch", "cpu")) is TorchBackend
     assert resolve_backend_name("auto", "cuda") == ("triton" if triton_available() else "torch")
     assert resolve_backend_name("torch", "cuda") == "torch"
     assert resolve_backend_name("triton", "cpu") == "triton"  # forced (the interpreter tests do this)
@@ -47,6 +49,10 @@ def test_config_kernels_key(tiny_checkpoints):
     with pytest.raises(ConfigError, match="device.kernels=triton needs device.type=cuda, not cpu"):
         check_config(config)
     check_config(load_config(None, [path, "device.kernels=torch"]))
+    check_config(load_config(None, [path, "device.kernels=cpu"]))
+    with pytest.raises(ConfigError, match="device.kernels=cpu is meshserve's C\+\+ kernel for the CPU, not for "
+                                          "device.type=cuda"):
+        check_config(load_config(None, [path, "device.kernels=cpu", "device.type=cuda"]))
     cuda = load_config(None, [path, "device.kernels=triton", "device.type=cuda"])
     if triton_available():
         check_config(cuda)

@@ -1,0 +1,114 @@
+"""The cpu backend's C++ paged decode attention (meshserve.layers.kernels.cpu_attention)
+against softmax attention in float64 over the same cached tokens: float32, bf16 and
+float16; head sizes on its vector path (multiples of 16) and off it; GQA groups of 1 to
+4; lengths of one token, whole blocks and partial ones; few sequences (a task per KV
+head) and many (a task per sequence); inside torch.compile. Then the whole model with the
+cpu backend against the torch backend, and the kernel's refusals of bad tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve.layers.kernels import cpu_attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture
+def two_threads():
+    """With 2 threads the kernel gives each KV head its own task below 4 sequences."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_case(n, heads, kv_heads, head_dim, block_size, lens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-length // block_size) for length in lens) + 1  # one padding column
+    num_blocks = n * width + 3
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=g)[: n * width].view(n, width)
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """Each sequence's first `len` cached tokens, in float64."""
+    n, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    out = torch.empty(n, heads, head_dim, dtype=torch.float64)
+    for i in range(n):
+        keys = k_cache[tables[i]].flatten(0, 1)[: lens[i]].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache[tables[i]].flatten(0, 1)[: lens[i]].double().repeat_interleave(heads // kv_heads, dim=1)
+        weights = (torch.einsum("hd,khd->hk", q[i].double(), keys) * scale).softmax(-1)
+        out[i] = torch.einsum("hk,khd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 24)])
+@pytest.mark.parametrize("n,block_size,lens", [(1, 16, [1]), (2, 4, [4, 9]), (3, 16, [16, 33, 200]),
+                                               (12, 8, [1, 2, 7, 8, 9, 15, 16, 17, 40, 63, 64, 100])])
+def test_matches_float64_attention(dtype, heads, kv_heads, head_dim, n, block_size, lens, two_threads):
+    q, k_cache, v_cache, tables, lens_t = make_case(n, heads, kv_heads, head_dim, block_size, lens, dtype)
+    scale = head_dim ** -0.5
+    got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale)
+    assert got.shape == q.shape and got.dtype == dtype
+    torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, tables, lens_t, scale),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_non_contiguous_queries_and_tokens_past_the_length_are_ignored():
+    q, k_cache, v_cache, tables, lens = make_case(4, 9, 3, 64, 16, [5, 16, 17, 30], torch.float32)
+    wide = torch.randn(4, 9, 128)
+    wide[..., ::2] = q  # a strided view of the same queries
+    want = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(cpu_attention.paged_decode_attention(wide[..., ::2], k_cache, v_cache, tables, lens,
+                                                                    0.125), want)
+    for i, length in enumerate(lens.tolist()):  # garbage in the cache beyond each length changes nothing
+        blocks = tables[i]
+        flat = k_cache[blocks].flatten(0, 1)
+        flat[length:] = 1e4
+        k_cache[blocks] = flat.view(len(blocks), 16, 3, 64)
+    torch.testing.assert_close(cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), want)
+
+
+def test_inside_torch_compile_with_dynamic_batch():
+    def step(q, k_cache, v_cache, tables, lens):
+        return cpu_attention.paged_decode_attention(q * 2, k_cache, v_cache, tables, lens, 0.125) + 1
+
+    compiled = torch.compile(step, dynamic=True, fullgraph=True)
+    for n, lens in ((2, [3, 40]), (5, [1, 16, 17, 8, 33])):
+        args = make_case(n, 9, 3, 64, 16, lens, torch.float32, seed=n)
+        torch.testing.assert_close(compiled(*args), step(*args))
+
+
+def test_bad_tables_are_refused_with_the_numbers():
+    q, k_cache, v_cache, tables, lens = make_case(2, 9, 3, 64, 16, [5, 20], torch.float32)
+    op = cpu_attention.paged_decode_attention
+    with pytest.raises(RuntimeError, match=r"sequence 1 has length 999, its block table holds 48"):
+        op(q, k_cache, v_cache, tables, torch.tensor([5, 999]), 0.125)
+    with pytest.raises(RuntimeError, match=r"sequence 0 has length 0"):
+        op(q, k_cache, v_cache, tables, torch.tensor([0, 5]), 0.125)
+    bad = tables.clone()
+    bad[1, 1] = 10_000
+    with pytest.raises(RuntimeError, match=r"block id 10000 outside the cache's 9 blocks"):
+        op(q, k_cache, v_cache, bad, lens, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(q.double(), k_cache, v_cache, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(q, k_cache, v_cache, tables.int(), lens, 0.125)
+
+
+def test_model_with_cpu_backend_matches_torch_backend(tiny_checkpoints):
+    from support.kernel_cases import compare_backends
+
+    r = compare_backends(str(tiny_checkpoints["llama"]), torch.float32, "cpu", other="cpu")
+    assert r["cpu"] == r["torch"], "greedy tokens differ"
+    assert len(r["torch"]) == 3 and all(len(t) == 6 for t in r["torch"])
+    assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"], (r["logits_max_diff"], r["logits_scale"])
