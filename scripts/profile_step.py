@@ -37,7 +37,8 @@ def split(engine) -> dict[str, float]:
 GROUPS = {"matmul (linear/mm)": ("aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
                                   "aten::matmul", "aten::bmm"),
           "quantized matmul (int4/int8)": ("aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm"),
-          "attention (sdpa)": ("aten::_scaled_dot_product", "aten::scaled_dot_product_attention"),
+          "attention (sdpa, cpu kernel)": ("aten::_scaled_dot_product", "aten::scaled_dot_product_attention",
+                                           "meshserve_cpu::paged_decode_attention"),
           "kv cache (index/copy)": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::copy_"),
           "compiled graph's own kernels": ("## Call CompiledFxGraph",),
           "torch.compile guards": ("TorchDynamo Cache Lookup",)}
