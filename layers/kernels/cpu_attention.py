@@ -36,6 +36,8 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
+    # NOTE: -fopenmp: at::parallel_for is inline OpenMP; without it the kernel runs on one
+    # thread. The OpenMP runtime is torch's own, already loaded (nothing more is linked).
     try:
         cpp_extension.load(name=f"meshserve_cpu_kernels_{capability.lower()}", sources=[str(SOURCE)],
                            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *ISA_FLAGS.get(capability, [])],

@@ -1,7 +1,7 @@
 // Paged decode attention on the CPU: one query token per sequence over the keys and values
 // its block table lists, read in place from the cache (no gather into a padded copy, no
-// mask). One task per (sequence, KV head): the query heads sharing that KV head are scored
-// against each cached key, softmaxed in float32, and weight the values.
+// mask). The query heads sharing a KV head are scored together against each cached key,
+// softmaxed in float32, and weight the values.
 //
 // Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_attention.py
 // builds this file and registers the op's shape function for torch.compile).
@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
-
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -131,9 +130,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // A task is one sequence, or one (sequence, KV head) when there are too few sequences to
   // keep every thread busy. It walks the sequence's blocks in order, with the softmax carried
   // from block to block (running max and sum, flash-attention style). A block's K and V rows
-  // of the task's heads are first copied into a local buffer: a plain copy keeps many cache misses in flight,
-  // the arithmetic between the loads does not (measured with the cache in memory, 32
-  // sequences of 160 tokens, SmolLM2's heads, bf16: 297 vs 422 us per layer). Asking for
+  // of the task's heads are first copied into a local buffer: a plain copy keeps many cache
+  // misses in flight, the arithmetic between the loads does not (measured with the cache in
+  // memory, 32 sequences of 160 tokens, SmolLM2's heads, bf16: 297 vs 422 us per layer). Asking for
   // the next block's lines before working on this one took another 6% (274 vs 293 us;
   // two blocks ahead, or into L2 only, no better).
   const int64_t per_task = n >= 2 * at::get_num_threads() ? kv_heads : 1, splits = kv_heads / per_task;
@@ -204,7 +203,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q (n, heads, head_dim) and a cache (blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
+              "q (n, heads, head_dim) and a cache (blocks, block_size, kv_heads, head_dim)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "the K and V caches must be contiguous and of one shape");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -213,7 +213,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q's head_dim must match the cache's, and its heads be a multiple of the KV heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block tables and sequence lengths are int64");
-  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one block table and length per query");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "one block table and length per query");
   const at::Tensor query = q.contiguous(), tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   TORCH_CHECK((k_cache.size(1) & (k_cache.size(1) - 1)) == 0, "the cache's block size (", k_cache.size(1),
               ") must be a power of two");
