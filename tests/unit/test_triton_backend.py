@@ -50,8 +50,8 @@ def test_config_kernels_key(tiny_checkpoints):
         check_config(config)
     check_config(load_config(None, [path, "device.kernels=torch"]))
     check_config(load_config(None, [path, "device.kernels=cpu"]))
-    with pytest.raises(ConfigError, match="device.kernels=cpu is meshserve's C\+\+ kernel for the CPU, not for "
-                                          "device.type=cuda"):
+    with pytest.raises(ConfigError, match=r"device.kernels=cpu is meshserve's C\+\+ kernel for the CPU, not for "
+                                          r"device.type=cuda"):
         check_config(load_config(None, [path, "device.kernels=cpu", "device.type=cuda"]))
     cuda = load_config(None, [path, "device.kernels=triton", "device.type=cuda"])
     if triton_available():
