@@ -9,9 +9,9 @@ vary more and their time is in the matmuls.
 
 Two graphs, compiled at start-up: one sequence, and two or more (torch specializes a size
 of 1). The batch and block-table sizes are marked dynamic, so later steps reuse them; a
-block table one block wide is padded to two (the mask or the lengths hide the padding), since width 1
-would be a third graph. A step that would still need a recompile runs eagerly instead
-(counted), so serving never stalls on the compiler.
+block table one block wide is padded to two (the mask or the lengths hide the padding),
+since width 1 would be a third graph. A step that would still need a recompile runs
+eagerly instead (counted), so serving never stalls on the compiler.
 """
 
 from __future__ import annotations
