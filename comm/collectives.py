@@ -74,3 +74,10 @@ def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device: tor
         work.wait()
     group.timer.stop(started)
     return x
+
+
+def max_over_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """All-reduces `x` over `group` by elementwise maximum, in place; returns it."""
+    if group.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group.device_group)
+    return x

@@ -19,7 +19,7 @@ def matmul_bytes_per_param(quantization: str, act_bytes: int) -> float:
     a zero per group of 32, int8 codes (one scale per row, negligible), or the dtype's."""
     if quantization == "int4":
         return 0.5 + 2 * act_bytes / INT4_GROUP
-    if quantization == "int8":
+    if quantization in ("int8", "w8a8"):
         return 1.0
     return float(act_bytes)
 

@@ -28,7 +28,7 @@ class ModelConfig(Section):
     """Tokenizer directory; by default the model's own (HF directory or GGUF file)."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; by default the model's context, capped at 8192."""
-    quantization: Literal["none", "int8", "int4"] = "none"
+    quantization: Literal["none", "int8", "int4", "w8a8"] = "none"
     """Weight-only quantization of the linear layers, on CPU: `int4` (groups of 32 with a
     scale and min each, GGUF's Q4_1 layout; the LM head then takes int8), `int8` (one scale
     per output row). Weights are read at full precision and quantized at load; activations

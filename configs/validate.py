@@ -76,14 +76,19 @@ def kernel_problems(config: Config) -> list[str]:
 
 
 def quantization_problems(config: Config, info: ModelInfo) -> list[str]:
-    """Weight-only quantization runs on CPU kernels; int4 groups of 32 must tile every
-    linear layer's input on every tensor-parallel rank."""
+    """Quantization runs on CPU kernels; int4 groups of 32 must tile every linear layer's
+    input on every tensor-parallel rank; w8a8 calibrates on whole models (no pipeline or
+    context parallelism)."""
     quantization, tp = config.model.quantization, config.parallel.tensor
     if quantization == "none":
         return []
     if config.device.type != "cpu":
         return [f"model.quantization={quantization} runs on CPU kernels; device.type={config.device.type} needs "
                 f"model.quantization=none"]
+    if quantization == "w8a8":
+        spread = {"parallel.pipeline": config.parallel.pipeline, "parallel.context": config.parallel.context}
+        return [f"model.quantization=w8a8 calibrates on one forward of the whole model on each rank, but {name} = "
+                f"{size}; use {name}=1 or model.quantization=int8" for name, size in spread.items() if size > 1]
     if quantization != "int4":
         return []
     inputs = {"hidden_size": info.hidden_size,

@@ -7,6 +7,7 @@ import torch
 from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
+from meshserve.engine.calibration import calibration_ids
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import LocalExecutor
 from meshserve.engine.model_runner import ModelRunner
@@ -19,6 +20,7 @@ def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan
     if threads:
         torch.set_num_threads(threads)
     runner = ModelRunner(info, memory, Groups.single(), device=config.device.type, show_progress=show_progress,
-                         kernels=config.device.kernels, compile_decode=config.device.compile)
+                         kernels=config.device.kernels, compile_decode=config.device.compile,
+                         calibration=calibration_ids(config, info))
     tokenizer = Tokenizer(info, config.model.tokenizer)
     return Engine(LocalExecutor(runner), tokenizer, memory, config.scheduler, info.vocab_size)

@@ -19,6 +19,7 @@ from meshserve.comm.heartbeat import HeartbeatMonitor
 from meshserve.configs.memory import MemoryPlan, stage_layers
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
+from meshserve.engine.calibration import calibration_ids
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import DistributedExecutor, LocalExecutor
 from meshserve.engine.model_runner import ModelRunner
@@ -94,7 +95,7 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
         broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
                          layer_counts=stage_layers(config, info), kernels=config.device.kernels,
-                         compile_decode=config.device.compile)
+                         compile_decode=config.device.compile, calibration=calibration_ids(config, info))
     if channel is None:
         executor = LocalExecutor(runner, failure)
     else:
@@ -122,7 +123,8 @@ def _follow(config, info, memory, env, groups) -> None:
     addresses = broadcast_text(None, src=0).split()
     channel = WorkerChannel(" ".join(addresses[:2]), env.global_rank, secret=config.server.secret)
     runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info),
-                         kernels=config.device.kernels, compile_decode=config.device.compile)
+                         kernels=config.device.kernels, compile_decode=config.device.compile,
+                         calibration=calibration_ids(config, info))
     channel.handshake(config.cluster.handshake_timeout)
     failure = FailureSignal()
     failure.on_failure(_exit_after(0.0))

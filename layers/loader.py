@@ -11,6 +11,7 @@ from meshserve.configs.memory import head_quantization
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.embedding import ParallelLMHead
 from meshserve.layers.llama import LlamaForCausalLM
+from meshserve.layers.smoothquant import smooth
 from meshserve.layers.weights import iter_checkpoint
 
 
@@ -38,18 +39,23 @@ def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool =
 def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device | str = "cpu",
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
                 max_position: int | None = None, show_progress: bool = False, cp=None,
-                backend=None, quantization: str = "none") -> LlamaForCausalLM:
+                backend=None, quantization: str = "none", calibration: list[int] | None = None) -> LlamaForCausalLM:
     """`backend`: the kernel backend (meshserve.layers.backend); default torch.
 
     `quantization` (none | int8 | int4, meshserve.layers.quant): the weights are read in
     float32 (a Q4_1 GGUF's codes survive exactly), the linear layers quantized, then the
     rest cast to `dtype`, which stays the activations' dtype. With int4 the LM head takes
-    int8, as GGUF files keep their output matrix at 8 bits."""
+    int8, as GGUF files keep their output matrix at 8 bits. w8a8 first smooths the weights
+    (meshserve.layers.smoothquant) on one prefill of `calibration` token ids."""
     load_dtype = dtype if quantization == "none" else torch.float32
     with torch.device(device):
         model = LlamaForCausalLM(info, tp, load_dtype, layer_range=layer_range, is_first_stage=is_first_stage,
                                  is_last_stage=is_last_stage, max_position=max_position, cp=cp, backend=backend)
     load_weights(model, info, show_progress)
+    if quantization == "w8a8":
+        if not calibration:
+            raise ValueError("model.quantization=w8a8 calibrates on a prefill: pass calibration token ids")
+        smooth(model, calibration[:max_position or info.max_position_embeddings], tp)
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.pack_weight(head_quantization(quantization), dtype)

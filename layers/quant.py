@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from meshserve.configs.memory import INT4_GROUP
+from meshserve.layers.kernels import cpu_library
 
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "w8a8")
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +120,64 @@ def _int8_dynamic_linear_shape(x: torch.Tensor, codes: torch.Tensor, scale: torc
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
+class W8A8Matmul:
+    """x W^T with W in int8 (one scale per output row) and x quantized to 8 bits per row as
+    it comes (symmetric, its absmax to 127, stored as uint8 around 128), multiplied by
+    oneDNN's u8 x s8 kernel (VNNI), which applies W's scales; x's row scales follow. Eager
+    calls quantize and rescale in C++ (cpu_quantize_rows.cpp) where it builds; compiled
+    graphs in torch ops, which inductor fuses with their neighbours."""
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
+        codes, self.scale = quantize_int8(weight)
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
+        self.zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.native = cpu_library.available()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            codes, x_scale = quantize_rows_u8(rows)
+            y = (w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype) * x_scale).to(x.dtype)
+        elif self.native:
+            codes, x_scale = torch.ops.meshserve_cpu.quantize_rows_u8(rows)
+            y = torch.ops.meshserve_cpu.scale_rows_(_w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype),
+                                                    x_scale)
+        else:
+            codes, x_scale = quantize_rows_u8(rows)
+            y = _w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype).mul_(x_scale)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+U8_ZERO = 128
+"""uint8 codes of the activations: round(x / scale) + 128, in [1, 255]."""
+
+
+def quantize_rows_u8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, k) float -> uint8 codes (m, k) and float32 scales (m, 1), rows ~= (codes - 128) * scale."""
+    rows = rows.float()
+    scale = rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return (rows / scale).round_().add_(U8_ZERO).to(torch.uint8), scale
+
+
+def _w8a8_matmul(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, U8_ZERO, packed, scale, zero, None, 1.0, 0, dtype, "none", [], "")
+
+
+@torch.library.custom_op("meshserve::w8a8_matmul", mutates_args=())
+def w8a8_matmul(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The u8 x s8 product, one opaque op for torch.compile (which cannot trace oneDNN's
+    packed weight); the quantization around it stays in the graph, fused by inductor."""
+    return _w8a8_matmul(codes, packed, scale, zero, dtype)
+
+
+@w8a8_matmul.register_fake
+def _w8a8_matmul_shape(codes, packed, scale, zero, dtype):
+    return codes.new_empty((codes.shape[0], scale.shape[0]), dtype=dtype)
+
+
 def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.dtype, *,
                      int8_activations: bool = False):
     """The quantized multiply for `weight` ((out, in), loaded at full precision), or None
@@ -133,4 +192,6 @@ def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.d
     if quantization == "int8":
         dynamic = int8_activations and act_dtype != torch.float32
         return (Int8DynamicMatmul if dynamic else Int8Matmul)(weight, act_dtype)
+    if quantization == "w8a8":
+        return W8A8Matmul(weight, act_dtype)
     raise ValueError(f"unknown quantization {quantization!r} ({', '.join(QUANTIZATIONS)})")

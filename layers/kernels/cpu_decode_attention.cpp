@@ -3,7 +3,7 @@
 // mask). The query heads sharing a KV head are scored together against each cached key,
 // softmaxed in float32, and weight the values.
 //
-// Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_attention.py
+// Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_library.py
 // builds this file and registers the op's shape function for torch.compile).
 
 #include <ATen/Dispatch.h>

@@ -43,12 +43,13 @@ def hf_greedy(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
 @torch.inference_mode()
 def meshserve_logits(path: Path | str, prompts: list[list[int]], dtype: torch.dtype = torch.float32,
                      block_size: int = 16, chunk: int | None = None, tp: AxisGroup | None = None,
-                     quantization: str = "none") -> list[torch.Tensor] | None:
-    """Prefill all `prompts` in one flat batch through meshserve's model (one rank) and
+                     quantization: str = "none", calibration: list[int] | None = None) -> list[torch.Tensor] | None:
+    """Prefill all `prompts` in one flat batch through meshserve's model (this rank's share of `tp`) and
     return each prompt's (len, vocab) logits. With `chunk`, each prompt is prefilled in
     chunks of that many tokens over several steps, attending to its cached prefix."""
     info = read_model_info(str(path))
-    model = build_model(info, AxisGroup.single("tp"), dtype, max_position=1024, quantization=quantization)
+    model = build_model(info, tp or AxisGroup.single("tp"), dtype, max_position=1024, quantization=quantization,
+                        calibration=calibration)
     blocks_per_seq = -(-max(len(p) for p in prompts) // block_size)
     kv_heads = model.model.layers[0].self_attn.local_num_kv_heads
     shape = (blocks_per_seq * len(prompts), block_size, kv_heads, info.head_dim)

@@ -1,6 +1,6 @@
 """device.compile: decode steps through torch.compile give what the eager model and
 transformers give, for one stream, a batch, a block table one block wide and short and
-long contexts, with int4 weights too; and no step needs a recompile after warm-up."""
+long contexts, with int4 and w8a8 weights too; and no step needs a recompile after warm-up."""
 
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ def test_compiled_decode_matches_transformers_alone_and_batched(tiny_checkpoints
     assert compiled.eager_steps == 0
 
 
-def test_compiled_decode_with_int4_weights_matches_eager_int4(tiny_checkpoints):
+@pytest.mark.parametrize("quantization", ["int4", "w8a8"])
+def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, quantization):
     path = tiny_checkpoints["llama-untied"]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in NEW_TOKENS]
-    eager = generate(make_engine(path, "model.quantization=int4", "model.dtype=float32"), PROMPTS, params)
-    engine = make_engine(path, "model.quantization=int4", "model.dtype=float32", "device.compile=true")
+    setting = f"model.quantization={quantization}"
+    eager = generate(make_engine(path, setting, "model.dtype=float32"), PROMPTS, params)
+    engine = make_engine(path, setting, "model.dtype=float32", "device.compile=true")
     compiled = generate(engine, PROMPTS, params)
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
     for a, b in zip(compiled, eager):

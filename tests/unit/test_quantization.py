@@ -128,17 +128,17 @@ def test_quantized_model_matches_transformers_on_dequantized_weights(tiny_checkp
 
 
 @pytest.mark.slow
-def test_smollm2_int4_perplexity_and_greedy_stay_close(smollm2):
-    """bf16 int4 (the GGUF's own codes, the head on int8 inputs) against bf16 unquantized:
-    the perplexity of scripts/data/perplexity.txt within 2%, and the first greedy tokens
-    the same."""
+def test_smollm2_int4_and_w8a8_perplexity_and_greedy_stay_close(smollm2):
+    """bf16 int4 (the GGUF's own codes, the head on int8 inputs) and w8a8 (smoothed, every
+    multiply on 8-bit inputs) against bf16 unquantized: the perplexity of
+    scripts/data/perplexity.txt within 2%, and the first greedy tokens the same."""
     from meshserve.engine.bootstrap import build_single_rank_engine
     from meshserve.comm.messages import SamplingParams
     from meshserve.engine.offline import generate
 
     text = (Path(__file__).parents[2] / "scripts" / "data" / "perplexity.txt").read_text()
     results = {}
-    for quantization in ("none", "int4"):
+    for quantization in ("none", "int4", "w8a8"):
         config = load_config(None, ["model.dtype=bfloat16", f"model.quantization={quantization}",
                                     "model.max_model_len=512", "cache.memory=64MiB"])
         info = check_config(config)
@@ -153,9 +153,10 @@ def test_smollm2_int4_perplexity_and_greedy_stay_close(smollm2):
         chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
         tokens = generate(engine, [chat], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
         results[quantization] = (ppl, tokens)
-    (ppl_ref, tokens_ref), (ppl_q, tokens_q) = results["none"], results["int4"]
-    assert abs(ppl_q / ppl_ref - 1) < 0.02, (ppl_ref, ppl_q)
-    assert tokens_q[:4] == tokens_ref[:4]
+    ppl_ref, tokens_ref = results.pop("none")
+    for quantization, (ppl_q, tokens_q) in results.items():
+        assert abs(ppl_q / ppl_ref - 1) < 0.02, (quantization, ppl_ref, ppl_q)
+        assert tokens_q[:4] == tokens_ref[:4], quantization
 
 
 def test_quantization_config_errors(tiny_checkpoints):
