@@ -29,11 +29,12 @@ class ModelConfig(Section):
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; by default the model's context, capped at 8192."""
     quantization: Literal["none", "int8", "int4", "w8a8"] = "none"
-    """Weight-only quantization of the linear layers, on CPU: `int4` (groups of 32 with a
-    scale and min each, GGUF's Q4_1 layout; the LM head then takes int8), `int8` (one scale
-    per output row). Weights are read at full precision and quantized at load; activations
-    stay in model.dtype (`auto` then means bfloat16). For one or a few streams: at batch 32
-    packed bf16 is faster."""
+    """Quantization of the linear layers, on CPU: `int4` (groups of 32 with a scale and min
+    each, GGUF's Q4_1 layout; the LM head then takes int8), `int8` (one scale per output
+    row): weight-only, activations stay in model.dtype (`auto` then means bfloat16), for one
+    or a few streams. `w8a8`: int8 weights times activations quantized to 8 bits per row,
+    smoothed (SmoothQuant) on a calibration prefill at load: for batches, which are compute
+    bound. Weights are read at full precision and quantized at load."""
 
 
 class ParallelConfig(Section):

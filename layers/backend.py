@@ -1,11 +1,13 @@
-"""Kernel backends: what computes paged attention, RMSNorm and rotary on this rank.
+"""Kernel backends: what computes paged attention, RMSNorm, rotary and SwiGLU's
+activation on this rank.
 
 The model gets one backend object when it is built and calls it; the model code never
 branches on the device:
 - `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE): the reference
   every other backend is tested against, and the default on CPU without a C++ compiler.
 - `CpuBackend`: the torch backend with decode attention in meshserve's C++ kernel, which
-  reads the paged cache in place. The default on CPU when the kernel builds.
+  reads the paged cache in place, and RMSNorm and silu-and-mul in one C++ pass each
+  outside compiled graphs. The default on CPU when the kernels build.
 - `TritonBackend` (meshserve.layers.kernels.triton_backend): meshserve's Triton kernels,
   the default on CUDA when triton is installed (`pip install 'meshserve[gpu]'`).
 
@@ -20,7 +22,7 @@ import logging
 
 import torch
 
-from meshserve.layers import attention, context_attention, norm, rotary
+from meshserve.layers import activation, attention, context_attention, norm, rotary
 from meshserve.layers.kernels import cpu_attention, triton_available
 from meshserve.parallel import ring_attention
 
@@ -68,6 +70,9 @@ class Backend:
         """q, k rotated by rope = (cos, sin), each (num_tokens, 1, head_dim); may work in place."""
         raise NotImplementedError
 
+    silu_and_mul = staticmethod(activation.silu_and_mul)
+    """x (num_tokens, 2n) = [gate, up] -> silu(gate) * up."""
+
 
 class TorchBackend(Backend):
     """Plain torch: the reference implementations, called directly (no wrapper per call)."""
@@ -90,7 +95,10 @@ class TorchBackend(Backend):
 
 class CpuBackend(TorchBackend):
     """The torch backend with decode attention in meshserve's C++ kernel
-    (meshserve.layers.kernels.cpu_attention), which reads the paged cache in place."""
+    (meshserve.layers.kernels.cpu_attention), which reads the paged cache in place, and
+    RMSNorm and silu-and-mul in one C++ pass each (cpu_norm_act.cpp) where torch.compile is
+    not fusing them already: 0.14 vs 0.41 ms and 0.55 vs 0.85 ms on SmolLM2's 2048-token
+    prefill rows (bf16, 2 cores)."""
 
     name = "cpu"
 
@@ -100,6 +108,19 @@ class CpuBackend(TorchBackend):
     def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
         return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device,
                                                   decode_kernel=True)
+
+    @staticmethod
+    def rms_norm(x, weight, eps: float, residual=None):
+        if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
+            return norm.rms_norm(x, weight, eps, residual)
+        out, total = torch.ops.meshserve_cpu.rms_norm(x, weight, eps, residual)
+        return out if residual is None else (out, total)
+
+    @staticmethod
+    def silu_and_mul(x):
+        if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
+            return activation.silu_and_mul(x)
+        return torch.ops.meshserve_cpu.silu_and_mul(x)
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:

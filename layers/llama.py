@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshserve.comm.groups import AxisGroup
@@ -66,14 +65,15 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); one all-reduce, in down_proj (row-parallel)."""
 
-    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, backend: Backend | None = None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(info.hidden_size, [info.intermediate_size] * 2, tp, dtype=dtype)
         self.down_proj = RowParallelLinear(info.intermediate_size, info.hidden_size, tp, dtype=dtype)
+        self.act = (backend or TorchBackend()).silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (num_tokens, local_intermediate_size) each
-        return self.down_proj(F.silu(gate) * up)
+        # gate_up: (num_tokens, 2 * local_intermediate_size), gate then up
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,7 +83,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend)
         self.self_attn = LlamaAttention(info, tp, dtype, cp, backend)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend)
-        self.mlp = LlamaMLP(info, tp, dtype)
+        self.mlp = LlamaMLP(info, tp, dtype, backend)
 
     def forward(self, rope, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:

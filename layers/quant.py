@@ -1,6 +1,7 @@
-"""Weight-only quantized matmuls on the CPU: y = x W^T with W stored in 8 or 4 bits and
-x, y in the activation dtype. One stream of decode reads every weight once per token, so
-its time is the weight bytes over the memory bandwidth; fewer bytes, faster tokens.
+"""Quantized matmuls on the CPU: y = x W^T with W stored in 8 or 4 bits and x, y in the
+activation dtype. One stream of decode reads every weight once per token, so its time is
+the weight bytes over the memory bandwidth; fewer bytes, faster tokens. Batches are
+compute bound instead, which only 8-bit inputs help (w8a8).
 
 - int4, groups of 32 along the input dim, asymmetric (scale and min per group): GGUF's
   Q4_1 layout, so a Q4_1 checkpoint's own 4-bit codes come back exactly (its quantizer
@@ -18,6 +19,13 @@ Measured here (scripts/bench_matmul.py): at one row these read their bytes as fa
 packed bf16 kernel reads its own, so a token costs 1/4 (int4) or 1/2 (int8) of the
 bf16 bytes; at 32 rows they are 2-2.5x slower than packed bf16 (they are compute bound
 on unpacking), so they are for few streams, not for batches.
+
+- w8a8: int8 weights (one scale per output row) times activations quantized to 8 bits per
+  row as they come, on every linear and the head, through oneDNN's u8 x s8 kernel (VNNI:
+  twice the multiply-adds per instruction of bf16). SmolLM2's shapes, 2048 rows: 7.6 vs
+  16.8 ms for one layer's four matmuls in bf16; 32 rows: 0.23 vs 0.53 ms. The weights are
+  smoothed first (meshserve.layers.smoothquant), which brings the perplexity cost from +4.5%
+  to +1.0%.
 """
 
 from __future__ import annotations

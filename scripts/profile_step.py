@@ -36,8 +36,10 @@ def split(engine) -> dict[str, float]:
 
 GROUPS = {"matmul (linear/mm)": ("aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
                                   "aten::matmul", "aten::bmm"),
-          "quantized matmul (int4/int8)": ("aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm",
-                                           "aten::_int_mm", "meshserve::int8_dynamic_linear"),
+          "quantized matmul (int4/int8/w8a8)": ("aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm",
+                                                "aten::_int_mm", "meshserve::int8_dynamic_linear",
+                                                "onednn::qlinear_pointwise", "meshserve::w8a8_matmul"),
+          "w8a8 row quantize/rescale": ("meshserve_cpu::quantize_rows_u8", "meshserve_cpu::scale_rows_"),
           "attention (sdpa, cpu kernel)": ("aten::_scaled_dot_product", "aten::scaled_dot_product_attention",
                                            "meshserve_cpu::paged_decode_attention"),
           "kv cache (index/copy)": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::copy_"),

@@ -22,7 +22,14 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_vec.h"
+
 namespace {
+
+#if defined(__AVX512F__)
+using meshserve_cpu::exp16;
+using meshserve_cpu::load16;
+#endif
 
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
@@ -30,19 +37,6 @@ inline void load_row(const scalar_t* src, float* dst, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-template <typename scalar_t>
-inline __m512 load16(const scalar_t* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 template <typename scalar_t, int64_t DIM>
 constexpr bool kVectorized = DIM > 0 && DIM % 16 == 0 && !std::is_same_v<scalar_t, double>;
 #endif
@@ -95,6 +89,67 @@ inline void accumulate_value(const scalar_t* value, const float* weights, int64_
     for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * row[d];
   }
 }
+
+#if defined(__AVX512F__)
+// One block of at most 16 cached tokens for the G query heads of one KV head: scores (q is
+// pre-scaled), the softmax carried over (top, total), and the values weighted into acc,
+// which stays in registers for the block.
+template <typename scalar_t, int64_t DIM, int G>
+inline void attend_block(const float* q, const scalar_t* kb, const scalar_t* vb, int64_t stride, int64_t rows,
+                         float* top, float* total, float* acc) {
+  constexpr int64_t NV = DIM / 16;
+  alignas(64) float s[G][16];
+  for (int64_t t = 0; t < rows; ++t) {
+    __m512 k[NV];
+    for (int64_t i = 0; i < NV; ++i) k[i] = load16(kb + t * stride + 16 * i);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * DIM), k[0]);
+      for (int64_t i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * DIM + 16 * i), k[i], a);
+      s[g][t] = _mm512_reduce_add_ps(a);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  float rescale[G];
+  for (int g = 0; g < G; ++g) {
+    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), mask, s[g]);
+    const float new_top = std::max(top[g], _mm512_reduce_max_ps(sv));
+    const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_top))));
+    rescale[g] = std::exp(top[g] - new_top);
+    total[g] = total[g] * rescale[g] + _mm512_reduce_add_ps(p);
+    top[g] = new_top;
+    _mm512_store_ps(s[g], p);
+  }
+  __m512 a[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int64_t i = 0; i < NV; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * i), _mm512_set1_ps(rescale[g]));
+  for (int64_t t = 0; t < rows; ++t) {
+    __m512 v[NV];
+    for (int64_t i = 0; i < NV; ++i) v[i] = load16(vb + t * stride + 16 * i);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g][t]);
+      for (int64_t i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(p, v[i], a[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * DIM + 16 * i, a[g][i]);
+}
+
+// attend_block over `group` query heads, up to 4 at a time.
+template <typename scalar_t, int64_t DIM>
+inline void attend_block_heads(const float* q, const scalar_t* kb, const scalar_t* vb, int64_t stride, int64_t rows,
+                               int64_t group, float* top, float* total, float* acc) {
+  for (int64_t g = 0; g < group; g += 4) {
+    const float* qg = q + g * DIM;
+    float* ag = acc + g * DIM;
+    switch (std::min<int64_t>(4, group - g)) {
+      case 1: attend_block<scalar_t, DIM, 1>(qg, kb, vb, stride, rows, top + g, total + g, ag); break;
+      case 2: attend_block<scalar_t, DIM, 2>(qg, kb, vb, stride, rows, top + g, total + g, ag); break;
+      case 3: attend_block<scalar_t, DIM, 3>(qg, kb, vb, stride, rows, top + g, total + g, ag); break;
+      default: attend_block<scalar_t, DIM, 4>(qg, kb, vb, stride, rows, top + g, total + g, ag); break;
+    }
+  }
+}
+#endif
 
 // Asks for the lines of the first `row` elements of `rows` rows `stride` apart.
 template <typename scalar_t>
@@ -169,8 +224,17 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t h = 0; h < per_task; ++h) {
           const int64_t offset = h * dim;
           const float* qh = query.data() + h * group * dim;
-          float* sh = scores.data() + h * group * block_size;
           float* ah = acc.data() + h * group * dim;
+#if defined(__AVX512F__)
+          if constexpr (kVectorized<scalar_t, DIM>) {
+            if (block_size <= 16) {
+              attend_block_heads<scalar_t, DIM>(qh, kb + offset, vb + offset, kept, rows, group,
+                                                top.data() + h * group, total.data() + h * group, ah);
+              continue;
+            }
+          }
+#endif
+          float* sh = scores.data() + h * group * block_size;
           for (int64_t t = 0; t < rows; ++t)
             score_key<scalar_t, DIM>(qh, kb + offset + t * kept, group, dim, row.data(), sh + t, block_size);
           for (int64_t g = 0; g < group; ++g) {

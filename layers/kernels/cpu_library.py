@@ -1,7 +1,8 @@
 """meshserve's C++ kernels for the CPU, built with torch's extension builder the first
 time a process needs them and cached on disk by torch: the paged decode attention
-(cpu_decode_attention.cpp, wrapped by cpu_attention.py) and the w8a8 linears' row
-quantization (cpu_quantize_rows.cpp, used by meshserve.layers.quant).
+(cpu_decode_attention.cpp, wrapped by cpu_attention.py), the w8a8 linears' row
+quantization (cpu_quantize_rows.cpp, used by meshserve.layers.quant), and RMSNorm and
+silu-and-mul in one pass each (cpu_norm_act.cpp, for the cpu backend's eager steps).
 
 `available()` builds (or loads) the library once and says whether it worked: without a C++
 compiler the callers keep their torch-op paths.
@@ -17,7 +18,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.cpp", "cpu_quantize_rows.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_decode_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp")]
 
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -46,6 +48,8 @@ def available() -> bool:
     torch.library.register_fake("meshserve_cpu::paged_decode_attention")(_paged_decode_attention_shape)
     torch.library.register_fake("meshserve_cpu::quantize_rows_u8")(_quantize_rows_u8_shape)
     torch.library.register_fake("meshserve_cpu::scale_rows_")(_scale_rows_shape)
+    torch.library.register_fake("meshserve_cpu::rms_norm")(_rms_norm_shape)
+    torch.library.register_fake("meshserve_cpu::silu_and_mul")(_silu_and_mul_shape)
     return True
 
 
@@ -59,3 +63,11 @@ def _quantize_rows_u8_shape(x):
 
 def _scale_rows_shape(y, scales):
     return y
+
+
+def _rms_norm_shape(x, weight, eps, residual):
+    return torch.empty_like(x), torch.empty_like(x) if residual is not None else x.new_empty(0)
+
+
+def _silu_and_mul_shape(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))

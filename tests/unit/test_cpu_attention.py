@@ -1,7 +1,8 @@
 """The cpu backend's C++ paged decode attention (meshserve.layers.kernels.cpu_attention)
 against softmax attention in float64 over the same cached tokens: float32, bf16 and
 float16; head sizes on its vector path (multiples of 16) and off it; GQA groups of 1 to
-4; lengths of one token, whole blocks and partial ones; few sequences (a task per KV
+6 (its block path takes up to 4 query heads at a time); blocks of up to 16 tokens (the
+block path) and of 32; lengths of one token, whole blocks and partial ones; few sequences (a task per KV
 head) and many (a task per sequence); inside torch.compile. Then the whole model with the
 cpu backend against the torch backend, and the kernel's refusals of bad tables."""
 
@@ -51,8 +52,8 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 24)])
-@pytest.mark.parametrize("n,block_size,lens", [(1, 16, [1]), (2, 4, [4, 9]), (3, 16, [16, 33, 200]),
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 24), (12, 2, 64)])
+@pytest.mark.parametrize("n,block_size,lens", [(1, 16, [1]), (2, 4, [4, 9]), (3, 16, [16, 33, 200]), (2, 32, [5, 70]),
                                                (12, 8, [1, 2, 7, 8, 9, 15, 16, 17, 40, 63, 64, 100])])
 def test_matches_float64_attention(dtype, heads, kv_heads, head_dim, n, block_size, lens, two_threads):
     q, k_cache, v_cache, tables, lens_t = make_case(n, heads, kv_heads, head_dim, block_size, lens, dtype)

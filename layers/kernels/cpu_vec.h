@@ -1,0 +1,73 @@
+// 16 floats at a time for meshserve's CPU kernels (AVX-512): loads that widen bf16 / fp16
+// to float32, stores that narrow back (bf16 rounding to nearest even), and exp. Each kernel
+// keeps a scalar loop for the tail and for builds without AVX-512.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace meshserve_cpu {
+
+template <typename scalar_t>
+constexpr bool kHasVec16 = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
+                           std::is_same_v<scalar_t, c10::Half>;
+
+template <typename scalar_t>
+inline __m512 load16(const scalar_t* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename scalar_t>
+inline void store16(scalar_t* p, __m512 v);
+template <>
+inline void store16<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, __m512 v) {
+  // round to nearest even: add 0x7FFF plus the lowest kept bit, keep the high half (a NaN
+  // may come out as an Inf)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+}
+template <>
+inline void store16<c10::Half>(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to
+// r^7 (relative error ~1e-7 over float's range; below -87 it flushes to 0).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 in two parts (Cephes' split), so n * ln 2 comes off x without rounding error
+  const __m512 rr = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace meshserve_cpu
+#endif

@@ -1,0 +1,68 @@
+"""The cpu backend's one-pass RMSNorm and silu-and-mul (layers/kernels/cpu_norm_act.cpp)
+against the torch references they replace in eager steps: float32, bf16 and float16, widths
+on and off the 16-wide vector path, with and without the residual; and the backend keeping
+the torch ops where it must (inside torch.compile, odd layouts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve.layers.activation import silu_and_mul
+from meshserve.layers.backend import CpuBackend
+from meshserve.layers.kernels import cpu_library
+from meshserve.layers.norm import rms_norm
+
+pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="no C++ compiler for the CPU kernels")
+
+# one unit in the last place of the output dtype, at the values' scale (~1-4 here)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,cols", [(1, 576), (33, 100), (300, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_reference(dtype, rows, cols, with_residual):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, cols) * 2).to(dtype)
+    weight = (torch.rand(cols) + 0.5).to(dtype)
+    residual = torch.randn(rows, cols).to(dtype) if with_residual else None
+    want = rms_norm(x, weight, 1e-5, residual)
+    got = CpuBackend.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # one add, one rounding: the same
+        got, want = got[0], want[0]
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,half", [(1, 1536), (17, 40), (64, 7)])
+def test_silu_and_mul_matches_the_torch_reference(dtype, rows, half):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, 2 * half) * 4).to(dtype)
+    x[0, :3] = torch.tensor([-90.0, 0.0, 90.0])  # exp's clamps and zero
+    want = silu_and_mul(x.double())
+    got = CpuBackend.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == (rows, half)
+    torch.testing.assert_close(got.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_the_backend_keeps_torch_ops_inside_compile_and_for_odd_layouts():
+    torch.manual_seed(0)
+    x, weight = torch.randn(8, 64), torch.rand(64) + 0.5
+    compiled = torch.compile(lambda x: CpuBackend.silu_and_mul(CpuBackend.rms_norm(x, weight, 1e-5)), fullgraph=True)
+    torch.testing.assert_close(compiled(x), silu_and_mul(rms_norm(x, weight, 1e-5)), atol=1e-5, rtol=1e-5)
+    strided = torch.randn(8, 128)[:, ::2]
+    torch.testing.assert_close(CpuBackend.rms_norm(strided, weight, 1e-5), rms_norm(strided, weight, 1e-5))
+    three_d = torch.randn(2, 3, 64)
+    torch.testing.assert_close(CpuBackend.silu_and_mul(three_d), silu_and_mul(three_d))
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(RuntimeError, match="one weight per column"):
+        torch.ops.meshserve_cpu.rms_norm(torch.randn(4, 64), torch.ones(32), 1e-5, None)
+    with pytest.raises(RuntimeError, match="the residual must be contiguous and of x's shape and dtype"):
+        torch.ops.meshserve_cpu.rms_norm(torch.randn(4, 64), torch.ones(64), 1e-5, torch.randn(4, 64).double())
+    with pytest.raises(RuntimeError, match=r"silu_and_mul takes contiguous \(rows, 2n\)"):
+        torch.ops.meshserve_cpu.silu_and_mul(torch.randn(4, 7))
