@@ -131,9 +131,9 @@ def _int8_dynamic_linear_shape(x: torch.Tensor, codes: torch.Tensor, scale: torc
 class W8A8Matmul:
     """x W^T with W in int8 (one scale per output row) and x quantized to 8 bits per row as
     it comes (symmetric, its absmax to 127, stored as uint8 around 128), multiplied by
-    oneDNN's u8 x s8 kernel (VNNI), which applies W's scales; x's row scales follow. Eager
-    calls quantize and rescale in C++ (cpu_quantize_rows.cpp) where it builds; compiled
-    graphs in torch ops, which inductor fuses with their neighbours."""
+    oneDNN's u8 x s8 kernel (VNNI), which applies W's scales; x's row scales follow. All
+    three in one C++ op (cpu_quantize_rows.cpp) where it builds, eager or compiled; else in
+    torch ops around the product."""
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
         codes, self.scale = quantize_int8(weight)
@@ -143,16 +143,12 @@ class W8A8Matmul:
         self.native = cpu_library.available()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        if self.native:
+            return torch.ops.meshserve_cpu.w8a8_linear(x, self.packed, self.scale, self.zero)
+        codes, x_scale = quantize_rows_u8(x.reshape(-1, self.in_features))
         if torch.compiler.is_compiling():
-            codes, x_scale = quantize_rows_u8(rows)
             y = (w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype) * x_scale).to(x.dtype)
-        elif self.native:
-            codes, x_scale = torch.ops.meshserve_cpu.quantize_rows_u8(rows)
-            y = torch.ops.meshserve_cpu.scale_rows_(_w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype),
-                                                    x_scale)
         else:
-            codes, x_scale = quantize_rows_u8(rows)
             y = _w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype).mul_(x_scale)
         return y.view(*x.shape[:-1], self.out_features)
 

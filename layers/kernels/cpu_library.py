@@ -48,6 +48,7 @@ def available() -> bool:
     torch.library.register_fake("meshserve_cpu::paged_decode_attention")(_paged_decode_attention_shape)
     torch.library.register_fake("meshserve_cpu::quantize_rows_u8")(_quantize_rows_u8_shape)
     torch.library.register_fake("meshserve_cpu::scale_rows_")(_scale_rows_shape)
+    torch.library.register_fake("meshserve_cpu::w8a8_linear")(_w8a8_linear_shape)
     torch.library.register_fake("meshserve_cpu::rms_norm")(_rms_norm_shape)
     torch.library.register_fake("meshserve_cpu::silu_and_mul")(_silu_and_mul_shape)
     return True
@@ -63,6 +64,10 @@ def _quantize_rows_u8_shape(x):
 
 def _scale_rows_shape(y, scales):
     return y
+
+
+def _w8a8_linear_shape(x, packed, w_scale, w_zero):
+    return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
 
 
 def _rms_norm_shape(x, weight, eps, residual):

@@ -47,9 +47,12 @@ def test_compiled_decode_matches_transformers_alone_and_batched(tiny_checkpoints
 def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, quantization):
     path = tiny_checkpoints["llama-untied"]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in NEW_TOKENS]
-    setting = f"model.quantization={quantization}"
-    eager = generate(make_engine(path, setting, "model.dtype=float32"), PROMPTS, params)
-    engine = make_engine(path, setting, "model.dtype=float32", "device.compile=true")
+    # NOTE: w8a8 rounds each activation to 8 bits, so a 1e-7 difference between the cpu
+    # backend's eager C++ RMSNorm and the compiled graph's can flip a code and move a
+    # logprob by ~1e-2; the torch backend's eager ops are the graph's, which isolates compile.
+    settings = [f"model.quantization={quantization}", "model.dtype=float32", "device.kernels=torch"]
+    eager = generate(make_engine(path, *settings), PROMPTS, params)
+    engine = make_engine(path, *settings, "device.compile=true")
     compiled = generate(engine, PROMPTS, params)
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
     for a, b in zip(compiled, eager):
