@@ -1,6 +1,7 @@
-"""What weight-only quantization costs in quality: each model.quantization against the
-unquantized model, in the same dtype, on SmolLM2 (its GGUF's Q4_1 codes come back exactly
-under int4, so int4 differs from the unquantized run only in rounding).
+"""What quantization costs in quality: each model.quantization against the unquantized
+model, in the same dtype, on SmolLM2 (its GGUF's Q4_1 codes come back exactly under int4,
+so int4 differs from the unquantized run only in rounding; w8a8 also rounds every linear's
+input to 8 bits per row, after smoothing).
 
 - perplexity on a fixed text (scripts/data/perplexity.txt), prefilled in one chunk;
 - greedy agreement: --prompts chat prompts, --output-len greedy tokens each; the share of
@@ -9,7 +10,7 @@ under int4, so int4 differs from the unquantized run only in rounding).
   the bf16 unquantized row is the floor: what bf16 rounding alone changes;
 - decode tok/s of one stream, for the trade.
 
-    python scripts/quant_quality.py [--dtype bfloat16] [--quantizations none int8 int4]
+    python scripts/quant_quality.py [--dtype bfloat16] [--quantizations none int8 int4 w8a8]
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4", "w8a8"])
     ap.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of the unquantized run the greedy tokens are compared with (float32: the bf16 "
                          "unquantized row then shows what bf16 rounding alone changes)")

@@ -172,9 +172,10 @@ def test_quantization_config_errors(tiny_checkpoints):
     assert plan_memory(config, info).weight_bytes < plan_memory(dense, info).weight_bytes
 
 
-def test_cpu_int4_example_config_validates():
-    path = Path(__file__).resolve().parents[2] / "configs" / "smollm2-cpu-int4.yaml"
+@pytest.mark.parametrize("name,quantization", [("smollm2-cpu-int4.yaml", "int4"), ("smollm2-cpu-w8a8.yaml", "w8a8")])
+def test_cpu_quantized_example_configs_validate(name, quantization):
+    path = Path(__file__).resolve().parents[2] / "configs" / name
     config = load_config(path)
     info = check_config(config, path.name)
-    assert (config.model.quantization, config.device.compile, config.torch_dtype_name) == ("int4", True, "bfloat16")
-    assert plan_memory(config, info).quantization == "int4"
+    assert (config.model.quantization, config.device.compile, config.torch_dtype_name) == (quantization, True, "bfloat16")
+    assert plan_memory(config, info).quantization == quantization
