@@ -24,8 +24,8 @@ on unpacking), so they are for few streams, not for batches.
   row as they come, on every linear and the head, through oneDNN's u8 x s8 kernel (VNNI:
   twice the multiply-adds per instruction of bf16). SmolLM2's shapes, 2048 rows: 7.6 vs
   16.8 ms for one layer's four matmuls in bf16; 32 rows: 0.23 vs 0.53 ms. The weights are
-  smoothed first (meshserve.layers.smoothquant), which brings the perplexity cost from +5.2%
-  to +1.0% (scripts/quant_quality.py).
+  smoothed first (meshserve.layers.smoothquant), which brings the perplexity cost from +5%
+  to +1.2% (scripts/quant_quality.py).
 """
 
 from __future__ import annotations
