@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.comm.messages import SamplingParams, TokenLogprob
+from meshserve.layers.kernels import cpu_library
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -28,6 +29,14 @@ class SamplingRow:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.prompt_len
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first, on ties). Float32 rows on the CPU
+    take one C++ pass (cpu_norm_act.cpp), which ignores NaNs where torch would pick them."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and cpu_library.available():
+        return torch.ops.meshserve_cpu.argmax_rows(x.contiguous())
+    return x.argmax(dim=-1)
 
 
 def _row_seed(seed: int, num_tokens: int) -> int:
@@ -50,12 +59,12 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         else:
             tokens = self._sample(logits, rows)
             if any(greedy):
                 mask = torch.tensor(greedy, device=logits.device)
-                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+                tokens = torch.where(mask, argmax(logits), tokens)
         token_list = tokens.tolist()
         if logprobs is None:
             return token_list, None
@@ -95,7 +104,7 @@ class Sampler:
             if r.params.seed is not None:
                 g = torch.Generator(device=logits.device).manual_seed(_row_seed(r.params.seed, r.num_tokens))
                 noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
 
     @staticmethod
     def _logprob(row: torch.Tensor, token: int, n: int | None) -> TokenLogprob | None:

@@ -1,8 +1,9 @@
 """meshserve's C++ kernels for the CPU, built with torch's extension builder the first
 time a process needs them and cached on disk by torch: the paged decode attention
 (cpu_decode_attention.cpp, wrapped by cpu_attention.py), the w8a8 linears' row
-quantization (cpu_quantize_rows.cpp, used by meshserve.layers.quant), and RMSNorm and
-silu-and-mul in one pass each (cpu_norm_act.cpp, for the cpu backend's eager steps).
+quantization (cpu_quantize_rows.cpp, used by meshserve.layers.quant), and RMSNorm,
+silu-and-mul (for the cpu backend's eager steps) and greedy sampling's argmax in one pass
+each (cpu_norm_act.cpp).
 
 `available()` builds (or loads) the library once and says whether it worked: without a C++
 compiler the callers keep their torch-op paths.
@@ -51,6 +52,7 @@ def available() -> bool:
     torch.library.register_fake("meshserve_cpu::w8a8_linear")(_w8a8_linear_shape)
     torch.library.register_fake("meshserve_cpu::rms_norm")(_rms_norm_shape)
     torch.library.register_fake("meshserve_cpu::silu_and_mul")(_silu_and_mul_shape)
+    torch.library.register_fake("meshserve_cpu::argmax_rows")(_argmax_rows_shape)
     return True
 
 
@@ -76,3 +78,7 @@ def _rms_norm_shape(x, weight, eps, residual):
 
 def _silu_and_mul_shape(x):
     return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+def _argmax_rows_shape(x):
+    return x.new_empty(x.shape[0], dtype=torch.long)

@@ -2,7 +2,9 @@
 //
 // - rms_norm(x, weight, eps[, residual]): with a residual, x + residual (rounded to x's dtype,
 //   as the torch reference adds) is normed and returned too;
-// - silu_and_mul(x): silu(x[:, :n]) * x[:, n:] for x of 2n columns.
+// - silu_and_mul(x): silu(x[:, :n]) * x[:, n:] for x of 2n columns;
+// - argmax_rows(x): each float32 row's first largest index, for greedy sampling (torch's
+//   argmax took 0.44-0.87 ms over SmolLM2's 32 x 49152 logits, its amax 0.04 ms).
 //
 // In torch ops these are 7 and 2 passes over the rows (SmolLM2, 16 x 128-token prefill:
 // ~115 ms of a ~560 ms step in such elementwise ops). Compiled graphs keep the torch ops,
@@ -147,14 +149,56 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t c = 0, best_index = 0;
+  float best = x[0];
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 top = _mm512_loadu_ps(x);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), at = index;
+    for (c = 16; c + 16 <= n; c += 16) {
+      index = _mm512_add_epi32(index, step);
+      const __m512 v = _mm512_loadu_ps(x + c);
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);  // strictly: a lane keeps its first
+      top = _mm512_mask_mov_ps(top, larger, v);
+      at = _mm512_mask_mov_epi32(at, larger, index);
+    }
+    best = _mm512_reduce_max_ps(top);
+    best_index = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ), at);
+  }
+#endif
+  for (; c < n; ++c)
+    if (x[c] > best) {
+      best = x[c];
+      best_index = c;
+    }
+  return best_index;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax_rows takes contiguous float32 (rows, n > 0), got ", x.sizes(), " ", x.scalar_type());
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float* xs = x.data_ptr<float>();
+  int64_t* os = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1);
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, kGrain / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) os[r] = argmax_row(xs + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

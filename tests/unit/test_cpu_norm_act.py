@@ -1,7 +1,8 @@
 """The cpu backend's one-pass RMSNorm and silu-and-mul (layers/kernels/cpu_norm_act.cpp)
 against the torch references they replace in eager steps: float32, bf16 and float16, widths
 on and off the 16-wide vector path, with and without the residual; and the backend keeping
-the torch ops where it must (inside torch.compile, odd layouts)."""
+the torch ops where it must (inside torch.compile, odd layouts). The sampler's argmax
+against torch's, ties included."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.backend import CpuBackend
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.norm import rms_norm
+from meshserve.layers.sampler import argmax
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="no C++ compiler for the CPU kernels")
 
@@ -66,3 +68,22 @@ def test_bad_shapes_are_refused():
         torch.ops.meshserve_cpu.rms_norm(torch.randn(4, 64), torch.ones(64), 1e-5, torch.randn(4, 64).double())
     with pytest.raises(RuntimeError, match=r"silu_and_mul takes contiguous \(rows, 2n\)"):
         torch.ops.meshserve_cpu.silu_and_mul(torch.randn(4, 7))
+
+
+@pytest.mark.parametrize("rows,n", [(32, 49152), (3, 7), (5, 16), (4, 33), (1, 1)])
+def test_argmax_matches_torch(rows, n):
+    torch.manual_seed(0)
+    x = torch.randn(rows, n)
+    assert torch.equal(argmax(x), x.argmax(-1))
+
+
+def test_argmax_takes_the_first_of_ties_and_skips_minus_infinity():
+    x = torch.zeros(4, 100)
+    x[:, 5] = x[:, 50] = 1  # a tie in different vector lanes and blocks
+    x[1, 99] = 2  # the maximum in the scalar tail
+    x[2] = float("-inf")
+    x[2, 3] = -1
+    x[3, 21] = 1  # a tie in the same lane as column 5, one block later
+    assert argmax(x).tolist() == [5, 99, 3, 5]
+    assert argmax(torch.full((2, 40), 3.0)).tolist() == [0, 0]
+    assert torch.equal(argmax(x.double()), x.argmax(-1))  # other dtypes: torch's own
