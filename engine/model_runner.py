@@ -89,7 +89,7 @@ class ModelRunner:
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool = False,
                  calibration: list[int] | None = None):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
-        the config's device.kernels (auto | torch | triton). `compile_decode`: run decode
+        the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py), compiled here.
         `calibration`: token ids w8a8 calibrates on (engine/calibration.py)."""
         self.info, self.memory, self.groups = info, memory, groups
