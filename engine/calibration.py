@@ -1,6 +1,6 @@
 """The text w8a8 calibrates on (meshserve.layers.smoothquant): a fixed mix of prose, code,
-a chat-style answer, numbers and a few languages (engine/data/calibration.txt, ~500 tokens),
-tokenized with the served model's tokenizer on every rank that loads weights."""
+a chat-style answer, numbers and a few languages (engine/data/calibration.txt, 560 tokens
+for SmolLM2), tokenized with the served model's tokenizer on every rank that loads weights."""
 
 from __future__ import annotations
 
