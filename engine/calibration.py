@@ -11,9 +11,10 @@ from meshserve.configs.schema import Config
 from meshserve.engine.tokenizer import Tokenizer
 
 
-def calibration_ids(config: Config, info: ModelInfo) -> list[int] | None:
-    """Token ids of the calibration text for model.quantization=w8a8; None otherwise."""
+def calibration_ids(config: Config, info: ModelInfo, tokenizer: Tokenizer | None = None) -> list[int] | None:
+    """Token ids of the calibration text for model.quantization=w8a8; None otherwise.
+    `tokenizer`: the served model's, where the caller has one (else it is loaded here)."""
     if config.model.quantization != "w8a8":
         return None
     text = files("meshserve.engine").joinpath("data", "calibration.txt").read_text(encoding="utf-8")
-    return Tokenizer(info, config.model.tokenizer).encode(text)
+    return (tokenizer or Tokenizer(info, config.model.tokenizer)).encode(text)

@@ -95,7 +95,7 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
         broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
                          layer_counts=stage_layers(config, info), kernels=config.device.kernels,
-                         compile_decode=config.device.compile, calibration=calibration_ids(config, info))
+                         compile_decode=config.device.compile, calibration=calibration_ids(config, info, tokenizer))
     if channel is None:
         executor = LocalExecutor(runner, failure)
     else:
