@@ -166,7 +166,8 @@ def quantize_rows_u8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _w8a8_matmul(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
-    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, U8_ZERO, packed, scale, zero, None, 1.0, 0, dtype, "none", [], "")
+    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, U8_ZERO, packed, scale, zero, None, 1.0, 0, dtype, "none",
+                                              [], "")
 
 
 @torch.library.custom_op("meshserve::w8a8_matmul", mutates_args=())

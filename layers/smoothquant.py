@@ -27,7 +27,8 @@ def smooth(model, token_ids: list[int], tp: AxisGroup, block_size: int = 16, alp
     """Rescale `model`'s (a whole LlamaForCausalLM, loaded and not yet packed) norms and
     weights from one prefill of `token_ids`; every member of `tp` calls this together."""
     layers = model.model.layers
-    inputs = {m: None for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+    inputs = {m: None for layer in layers
+              for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}
 
     def record(module, args):
         top = args[0].reshape(-1, args[0].shape[-1]).abs().amax(0).float()

@@ -121,7 +121,8 @@ inline void attend_block(const float* q, const scalar_t* kb, const scalar_t* vb,
   }
   __m512 a[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int64_t i = 0; i < NV; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * i), _mm512_set1_ps(rescale[g]));
+    for (int64_t i = 0; i < NV; ++i)
+      a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * i), _mm512_set1_ps(rescale[g]));
   for (int64_t t = 0; t < rows; ++t) {
     __m512 v[NV];
     for (int64_t i = 0; i < NV; ++i) v[i] = load16(vb + t * stride + 16 * i);

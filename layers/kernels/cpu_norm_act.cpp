@@ -92,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
               "rms_norm: one weight per column (", x.size(1), ") in x's dtype");
   const bool add = residual.has_value();
   if (add)
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(),
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type(),
                 "rms_norm: the residual must be contiguous and of x's shape and dtype");
   at::Tensor out = at::empty_like(x);
   at::Tensor sum = add ? at::empty_like(x) : at::empty({0}, x.options());

@@ -57,7 +57,8 @@ inline __m512 exp16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // ln 2 in two parts (Cephes' split), so n * ln 2 comes off x without rounding error
-  const __m512 rr = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  const __m512 rr = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), hi);
   __m512 p = _mm512_set1_ps(1.f / 5040);
   p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 720));
   p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120));
