@@ -31,8 +31,6 @@ namespace {
 
 using namespace meshserve_cpu;
 
-constexpr int64_t kGrain = 16384;  // elements per task at least: small inputs stay on one thread
-
 template <typename scalar_t>
 inline float rounded(float value) {
   return static_cast<float>(static_cast<scalar_t>(value));
@@ -105,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
     const scalar_t* ws = weight.data_ptr<scalar_t>();
     scalar_t* os = out.data_ptr<scalar_t>();
     scalar_t* ss = add ? sum.data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, meshserve_cpu::rows_per_task(cols), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         norm_row<scalar_t>(xs + r * cols, rs ? rs + r * cols : nullptr, ws, static_cast<float>(eps), cols,
                            os + r * cols, ss ? ss + r * cols : nullptr);
@@ -142,7 +140,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xs = x.data_ptr<scalar_t>();
     scalar_t* os = out.data_ptr<scalar_t>();
-    at::parallel_for(0, x.size(0), std::max<int64_t>(1, kGrain / half), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, x.size(0), meshserve_cpu::rows_per_task(half), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) silu_mul_row<scalar_t>(xs + 2 * r * half, xs + (2 * r + 1) * half, half,
                                                                    os + r * half);
     });
@@ -184,7 +182,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* xs = x.data_ptr<float>();
   int64_t* os = out.data_ptr<int64_t>();
   const int64_t n = x.size(1);
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, kGrain / n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0), meshserve_cpu::rows_per_task(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) os[r] = argmax_row(xs + r * n, n);
   });
   return out;

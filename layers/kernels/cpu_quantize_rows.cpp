@@ -32,11 +32,9 @@
 
 namespace {
 
-constexpr int64_t kGrain = 16384;  // elements per task at least: small inputs stay on one thread
-
 template <typename scalar_t>
 void quantize(const scalar_t* x, int64_t rows, int64_t cols, int64_t stride, uint8_t* codes, float* scales) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, meshserve_cpu::rows_per_task(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* row = x + r * stride;
       float top = 0.f;
@@ -55,7 +53,7 @@ void quantize(const scalar_t* x, int64_t rows, int64_t cols, int64_t stride, uin
 
 template <typename scalar_t>
 void scale(scalar_t* y, int64_t rows, int64_t cols, const float* scales) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, meshserve_cpu::rows_per_task(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* row = y + r * cols;
       const float by = scales[r];

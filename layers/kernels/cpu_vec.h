@@ -1,13 +1,23 @@
-// 16 floats at a time for meshserve's CPU kernels (AVX-512): loads that widen bf16 / fp16
-// to float32, stores that narrow back (bf16 rounding to nearest even), and exp. Each kernel
-// keeps a scalar loop for the tail and for builds without AVX-512.
+// Shared by meshserve's CPU row kernels: how many rows a parallel task takes, and (with
+// AVX-512) 16 floats at a time: loads that widen bf16 / fp16 to float32, stores that narrow
+// back (bf16 rounding to nearest even), and exp. Each kernel keeps a scalar loop for the
+// tail and for builds without AVX-512.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+
+namespace meshserve_cpu {
+
+// Rows per at::parallel_for task for rows of `cols` elements: at least 16384 elements a
+// task, so small inputs stay on one thread.
+inline int64_t rows_per_task(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols)); }
+
+}  // namespace meshserve_cpu
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
