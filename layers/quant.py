@@ -66,6 +66,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def row_scales(rows: torch.Tensor) -> torch.Tensor:
+    """(m, k) float32 -> (m, 1): each row's absmax / 127, the step of its symmetric 8-bit codes."""
+    return rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+
+
 class Int4Matmul:
     """x W^T with W in int4 groups of 32, packed once for the CPU kernel."""
 
@@ -114,7 +119,7 @@ def int8_dynamic_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     absmax to 127), an int8 x int8 -> int32 product, then both scales. One opaque op for
     torch.compile."""
     rows = x.reshape(-1, x.shape[-1]).float()
-    x_scale = rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    x_scale = row_scales(rows)
     xq = (rows / x_scale).round_().to(torch.int8)
     if len(xq) in SLOW_INT_MM_ROWS:
         acc = torch.cat([torch._int_mm(row[None], codes.t()) for row in xq])
@@ -160,7 +165,7 @@ U8_ZERO = 128
 def quantize_rows_u8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, k) float -> uint8 codes (m, k) and float32 scales (m, 1), rows ~= (codes - 128) * scale."""
     rows = rows.float()
-    scale = rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    scale = row_scales(rows)
     return (rows / scale).round_().add_(U8_ZERO).to(torch.uint8), scale
 
 
