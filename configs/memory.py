@@ -24,6 +24,12 @@ def matmul_bytes_per_param(quantization: str, act_bytes: int) -> float:
     return float(act_bytes)
 
 
+def kv_row_bytes(head_dim: int, kv_dtype: str, act_bytes: int) -> int:
+    """Bytes the cache keeps per token, KV head and K or V: head_dim values, or for
+    cache.dtype=int8 head_dim codes and a float32 scale (meshserve.layers.kv_quant)."""
+    return head_dim + 4 if kv_dtype == "int8" else head_dim * act_bytes
+
+
 def head_quantization(quantization: str) -> str:
     """The LM head's quantization: int8 when the layers take int4 (as GGUF files keep
     their output matrix at 8 bits), else the layers'."""
@@ -82,6 +88,8 @@ class MemoryPlan:
     max_model_len: int
     quantization: str = "none"
     """Weight-only quantization of the linear layers (config model.quantization)."""
+    kv_dtype: str = "auto"
+    """config cache.dtype: `auto` (the cache holds `dtype`) or `int8`."""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -118,7 +126,7 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
                        + (ends + h) * nbytes + head_copy)
 
     kv_heads = local_num_kv_heads(info.num_key_value_heads, tp)
-    kv_per_token = 2 * most_layers * kv_heads * info.head_dim * nbytes
+    kv_per_token = 2 * most_layers * kv_heads * kv_row_bytes(info.head_dim, config.cache.dtype, nbytes)
     block = config.cache.block_size
     num_blocks = config.cache.num_blocks or int(config.cache.memory) // (kv_per_token * block)
     max_len = resolved_max_model_len(config, info)
@@ -136,4 +144,4 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
             f"fewer than {_share(max_len, need, cp)}; raise cache.memory (now {int(config.cache.memory)} bytes, "
             f"{kv_per_token} bytes per token) or lower model.max_model_len"
         )
-    return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len, quantization)
+    return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len, quantization, config.cache.dtype)

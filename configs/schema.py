@@ -73,6 +73,11 @@ class CacheConfig(Section):
     """KV-cache budget per rank (e.g. `512MiB`, `4GiB`)."""
     num_blocks: PositiveInt | None = None
     """Fix the number of KV blocks per rank instead of deriving it from `memory`."""
+    dtype: Literal["auto", "int8"] = "auto"
+    """What the KV cache holds: `auto`, model.dtype; `int8`, 8-bit codes with a float32
+    scale per token and KV head (meshserve.layers.kv_quant): about half the bytes of bf16,
+    so twice the tokens in `memory` and half the cache reads of a decode step. CPU only
+    (device.kernels torch or cpu), without context parallelism."""
 
     @field_validator("block_size")
     @classmethod

@@ -75,6 +75,21 @@ def kernel_problems(config: Config) -> list[str]:
     return []
 
 
+def kv_cache_problems(config: Config) -> list[str]:
+    """cache.dtype=int8 is read by the torch and cpu backends, on the CPU, without context
+    parallelism (whose ring passes the cache's rows as they are)."""
+    if config.cache.dtype == "auto":
+        return []
+    problems = []
+    if config.device.type != "cpu" or config.device.kernels == "triton":
+        problems.append(f"cache.dtype={config.cache.dtype} is read by the CPU kernels; device.type="
+                        f"{config.device.type} with device.kernels={config.device.kernels} needs cache.dtype=auto")
+    if config.parallel.context > 1:
+        problems.append(f"cache.dtype={config.cache.dtype} with parallel.context={config.parallel.context}: context "
+                        f"parallelism needs cache.dtype=auto")
+    return problems
+
+
 def quantization_problems(config: Config, info: ModelInfo) -> list[str]:
     """Quantization runs on CPU kernels; int4 groups of 32 must tile every linear layer's
     input on every tensor-parallel rank; w8a8 calibrates on whole models (no pipeline or
@@ -142,6 +157,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
         problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
     problems += kernel_problems(config)
     problems += quantization_problems(config, info)
+    problems += kv_cache_problems(config)
     if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "

@@ -204,12 +204,12 @@ class EngineMetrics:
 
 def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_flops: float | None,
                     memory_bandwidth: float | None, engine: Engine, metrics: EngineMetrics,
-                    quantization: str = "none") -> Roofline:
+                    quantization: str = "none", kv_dtype: str = "auto") -> Roofline:
     """Measure (or take) the roofline and attach `metrics` to `engine`; returns the roofline."""
     import torch
 
     roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth)
-    metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization), roofline)
+    metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization, kv_dtype), roofline)
     log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,
              roofline.memory_bandwidth)
     return roofline

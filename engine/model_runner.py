@@ -20,6 +20,7 @@ from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.compiled_decode import CompiledDecode
 from meshserve.layers.backend import select_backend
+from meshserve.layers import kv_quant
 from meshserve.layers.context_attention import CPSeqStep, build_cp_metadata
 from meshserve.parallel.context import advance, chunk_owners, is_split
 from meshserve.layers.loader import build_model
@@ -107,10 +108,12 @@ class ModelRunner:
         self._pending_sends: deque = deque()
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
-        shape = (memory.num_blocks, memory.block_size, heads, info.head_dim)
+        int8 = memory.kv_dtype == "int8"
+        shape = (memory.num_blocks, memory.block_size, heads, kv_quant.row_length(info.head_dim) if int8 else info.head_dim)
+        cache_dtype = torch.int8 if int8 else self.dtype
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in model.layers]
+        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=cache_dtype, device=self.device)) for _ in model.layers]
         self.compiled = None
         if compile_decode:
             self.compiled = CompiledDecode(self.model)

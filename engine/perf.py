@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.configs.memory import head_quantization, matmul_bytes_per_param
+from meshserve.configs.memory import head_quantization, kv_row_bytes, matmul_bytes_per_param
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
 
@@ -64,6 +64,8 @@ class ModelCost:
     dtype_bytes: int
     quantization: str = "none"
     """Weight-only quantization of the linear layers (configs.memory.head_quantization for the head)."""
+    kv_dtype: str = "auto"
+    """config cache.dtype (auto: the activations' dtype, or int8)."""
 
     @property
     def matmul_params(self) -> int:
@@ -83,7 +85,8 @@ class ModelCost:
     @property
     def kv_bytes_per_token(self) -> int:
         i = self.info
-        return 2 * i.num_hidden_layers * i.num_key_value_heads * i.head_dim * self.dtype_bytes
+        return 2 * i.num_hidden_layers * i.num_key_value_heads * kv_row_bytes(i.head_dim, self.kv_dtype,
+                                                                              self.dtype_bytes)
 
     def flops(self, num_new_tokens: int, context_len: int) -> float:
         """FLOPs of one sequence computing `num_new_tokens` tokens ending at `context_len`

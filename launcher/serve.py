@@ -65,7 +65,8 @@ class ServeMode:
 
             m = self.config.server.metrics
             serving_metrics(self.info, self.config.torch_dtype_name, self.config.device.type, self.config.world_size,
-                            m.peak_flops, m.memory_bandwidth, engine, self.metrics, self.config.model.quantization)
+                            m.peak_flops, m.memory_bandwidth, engine, self.metrics, self.config.model.quantization,
+                            self.config.cache.dtype)
             frontends.append(self.http)
         server = Server(engine, self.inbox, frontends, self.config.scheduler.max_waiting,
                         self.config.scheduler.max_waiting_tokens)

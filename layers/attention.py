@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.comm.groups import AxisGroup
+from meshserve.layers import kv_quant
 from meshserve.layers.context_attention import ContextParallelMetadata, cp_attention
 from meshserve.layers.kernels import cpu_attention
 
@@ -197,13 +198,15 @@ class PagedAttention(nn.Module):
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, quantize=kv_quant.quantize) -> torch.Tensor:
     """The torch reference: stores the new K/V, then attends. q: (num_tokens, heads,
-    head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
+    head_dim); k, v: (num_tokens, kv_heads, head_dim). An int8 cache (meshserve.layers.kv_quant)
+    stores `quantize(k)`, `quantize(v)`."""
     k_cache, v_cache = kv_cache
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    k_rows, v_rows = (quantize(k), quantize(v)) if k_cache.dtype == torch.int8 else (k, v)
+    kv_heads, row = k_rows.shape[1], k_rows.shape[2]
+    k_cache.view(-1, kv_heads, row).index_copy_(0, meta.slot_mapping, k_rows)
+    v_cache.view(-1, kv_heads, row).index_copy_(0, meta.slot_mapping, v_rows)
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
@@ -218,7 +221,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
         return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
                                                     scale)
     n, width = meta.decode_block_tables.shape
-    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     blocks = meta.decode_block_tables.flatten()
     # (num_decodes * max_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
     kept = meta.workspace.buffers((len(blocks), *k_cache.shape[1:]), k_cache) if meta.workspace else None
@@ -227,6 +230,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     else:
         keys = torch.index_select(k_cache, 0, blocks, out=kept[0])
         values = torch.index_select(v_cache, 0, blocks, out=kept[1])
+    keys, values = _readable(keys, q.dtype), _readable(values, q.dtype)
     keys = keys.view(n, -1, kv_heads, head_dim).transpose(1, 2)
     values = values.view(n, -1, kv_heads, head_dim).transpose(1, 2)
     # NOTE: GQA as a short query: the query heads sharing a KV head become that head's
@@ -241,11 +245,16 @@ def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float, out: 
     if chunk.seq_len == chunk.query_len:  # no cached prefix: attend within the chunk, the new K/V at hand
         keys, values = k, v
     else:
-        keys = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
-        values = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len]
+        keys = _readable(k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len], q.dtype)
+        values = _readable(v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len], q.dtype)
     # NOTE: 4-D inputs: with 3-D ones torch's CPU SDPA takes the math path (8x slower, L^2 memory).
     q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     for b in chunk.query_blocks:
         o = F.scaled_dot_product_attention(q[:, :, b.start:b.end], keys[:, :, :b.kv_len], values[:, :, :b.kv_len],
                                            attn_mask=b.mask, is_causal=b.mask is None, scale=scale, enable_gqa=True)
         out[b.start:b.end] = o[0].transpose(0, 1)
+
+
+def _readable(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows gathered from the cache, dequantized if the cache is int8."""
+    return kv_quant.dequantize(cached, dtype) if cached.dtype == torch.int8 else cached

@@ -6,8 +6,9 @@ branches on the device:
 - `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE): the reference
   every other backend is tested against, and the default on CPU without a C++ compiler.
 - `CpuBackend`: the torch backend with decode attention in meshserve's C++ kernel, which
-  reads the paged cache in place, and RMSNorm and silu-and-mul in one C++ pass each
-  outside compiled graphs. The default on CPU when the kernels build.
+  reads the paged cache (bf16, float32 or int8) in place, the int8 cache's rows quantized
+  in C++, and RMSNorm and silu-and-mul in one C++ pass each outside compiled graphs. The
+  default on CPU when the kernels build.
 - `TritonBackend` (meshserve.layers.kernels.triton_backend): meshserve's Triton kernels,
   the default on CUDA when triton is installed (`pip install 'meshserve[gpu]'`).
 
@@ -22,7 +23,7 @@ import logging
 
 import torch
 
-from meshserve.layers import activation, attention, context_attention, norm, rotary
+from meshserve.layers import activation, attention, context_attention, kv_quant, norm, rotary
 from meshserve.layers.kernels import cpu_attention, triton_available
 from meshserve.parallel import ring_attention
 
@@ -34,7 +35,8 @@ BACKENDS = ("torch", "triton", "cpu")
 class Backend:
     """The interface. Shapes: q (num_tokens, heads, head_dim); k, v (num_tokens,
     kv_heads, head_dim); the KV cache of a layer (k_cache, v_cache), each (num_blocks,
-    block_size, kv_heads, head_dim). LSE: natural log, float32, (num_queries, heads), -inf
+    block_size, kv_heads, head_dim), or int8 (..., head_dim + 4) with cache.dtype=int8
+    (meshserve.layers.kv_quant; the torch and cpu backends). LSE: natural log, float32, (num_queries, heads), -inf
     for a query that sees no key (its out is 0)."""
 
     name = "base"
@@ -108,6 +110,10 @@ class CpuBackend(TorchBackend):
     def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
         return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device,
                                                   decode_kernel=True)
+
+    @staticmethod
+    def attention(q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
+        return attention.paged_attention(q, k, v, kv_cache, meta, scale, quantize=kv_quant.quantize_native)
 
     @staticmethod
     def rms_norm(x, weight, eps: float, residual=None):

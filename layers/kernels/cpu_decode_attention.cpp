@@ -3,6 +3,11 @@
 // mask). The query heads sharing a KV head are scored together against each cached key,
 // softmaxed in float32, and weight the values.
 //
+// The cache holds q's dtype, or int8 (cache.dtype=int8, meshserve/layers/kv_quant.py): each
+// (token, KV head) row is head_dim codes followed by the row's float32 scale in 4 bytes, so
+// a row is dequantized as codes * scale. The scale of a key multiplies its score, the scale
+// of a value its softmax weight.
+//
 // Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_library.py
 // builds this file and registers the op's shape function for torch.compile).
 
@@ -31,14 +36,34 @@ using meshserve_cpu::exp16;
 using meshserve_cpu::load16;
 #endif
 
+// The float32 scale stored after the `dim` codes of an int8 cache row; 1 for other dtypes.
+template <typename cache_t>
+inline float row_scale(const cache_t* row, int64_t dim) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + dim, sizeof(float));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
+// Elements a cache row of `dim` values takes: the codes and their scale for int8.
+template <typename cache_t>
+constexpr int64_t row_length(int64_t dim) {
+  return std::is_same_v<cache_t, int8_t> ? dim + static_cast<int64_t>(sizeof(float)) : dim;
+}
+
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  const float by = row_scale(src, n);
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]) * by;
 }
 
 #if defined(__AVX512F__)
 template <typename scalar_t, int64_t DIM>
-constexpr bool kVectorized = DIM > 0 && DIM % 16 == 0 && !std::is_same_v<scalar_t, double>;
+constexpr bool kVectorized =
+    DIM > 0 && DIM % 16 == 0 && (meshserve_cpu::kHasVec16<scalar_t> || std::is_same_v<scalar_t, int8_t>);
 #endif
 
 // scores[g * stride] = query[g] . key for the `group` query heads of one KV head.
@@ -52,7 +77,7 @@ inline void score_key(const float* query, const scalar_t* key, int64_t group, in
     for (int64_t g = 0; g < group; ++g) {
       __m512 a = _mm512_mul_ps(_mm512_loadu_ps(query + g * DIM), k[0]);
       for (int64_t i = 1; i < DIM / 16; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(query + g * DIM + 16 * i), k[i], a);
-      scores[g * stride] = _mm512_reduce_add_ps(a);
+      scores[g * stride] = _mm512_reduce_add_ps(a) * row_scale(key, DIM);
     }
     return;
   }
@@ -74,7 +99,7 @@ inline void accumulate_value(const scalar_t* value, const float* weights, int64_
     __m512 v[DIM / 16];
     for (int64_t i = 0; i < DIM / 16; ++i) v[i] = load16(value + 16 * i);
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(weights[g * stride]);
+      const __m512 p = _mm512_set1_ps(weights[g * stride] * row_scale(value, DIM));
       for (int64_t i = 0; i < DIM / 16; ++i) {
         float* a = acc + g * DIM + 16 * i;
         _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v[i], _mm512_loadu_ps(a)));
@@ -102,10 +127,11 @@ inline void attend_block(const float* q, const scalar_t* kb, const scalar_t* vb,
   for (int64_t t = 0; t < rows; ++t) {
     __m512 k[NV];
     for (int64_t i = 0; i < NV; ++i) k[i] = load16(kb + t * stride + 16 * i);
+    const float by = row_scale(kb + t * stride, DIM);
     for (int g = 0; g < G; ++g) {
       __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * DIM), k[0]);
       for (int64_t i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * DIM + 16 * i), k[i], a);
-      s[g][t] = _mm512_reduce_add_ps(a);
+      s[g][t] = _mm512_reduce_add_ps(a) * by;
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
@@ -126,8 +152,9 @@ inline void attend_block(const float* q, const scalar_t* kb, const scalar_t* vb,
   for (int64_t t = 0; t < rows; ++t) {
     __m512 v[NV];
     for (int64_t i = 0; i < NV; ++i) v[i] = load16(vb + t * stride + 16 * i);
+    const float by = row_scale(vb + t * stride, DIM);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(s[g][t]);
+      const __m512 p = _mm512_set1_ps(s[g][t] * by);
       for (int64_t i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(p, v[i], a[g][i]);
     }
   }
@@ -170,15 +197,15 @@ inline void copy_rows(const scalar_t* src, scalar_t* dst, int64_t rows, int64_t 
   for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * row, src + r * stride, row * sizeof(scalar_t));
 }
 
-template <typename scalar_t, int64_t DIM>
+template <typename scalar_t, typename cache_t, int64_t DIM>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
             const at::Tensor& seq_lens, float scale, at::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), dim = DIM ? DIM : q.size(2);
+  const int64_t n = q.size(0), heads = q.size(1), dim = DIM ? DIM : q.size(2), row = row_length<cache_t>(dim);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
-  const int64_t width = block_tables.size(1), slot_stride = kv_heads * dim, block_stride = block_size * slot_stride;
+  const int64_t width = block_tables.size(1), slot_stride = kv_heads * row, block_stride = block_size * slot_stride;
   const scalar_t* qs = q.data_ptr<scalar_t>();
-  const scalar_t* ks = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vs = v_cache.data_ptr<scalar_t>();
+  const cache_t* ks = k_cache.data_ptr<cache_t>();
+  const cache_t* vs = v_cache.data_ptr<cache_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* os = out.data_ptr<scalar_t>();
@@ -194,10 +221,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t per_task = n >= 2 * at::get_num_threads() ? kv_heads : 1, splits = kv_heads / per_task;
   at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_per_task = per_task * group;  // query heads of a task
-    std::vector<float> query(rows_per_task * dim), acc(rows_per_task * dim), row(dim),
+    std::vector<float> query(rows_per_task * dim), acc(rows_per_task * dim), unpacked(dim),
         scores(rows_per_task * block_size), top(rows_per_task), total(rows_per_task);
-    const int64_t kept = per_task * dim;  // elements of a cached token's row the task reads
-    std::vector<scalar_t> kbuf(block_size * kept), vbuf(block_size * kept);
+    const int64_t kept = per_task * row;  // elements of a cached token's slot the task reads
+    std::vector<cache_t> kbuf(block_size * kept), vbuf(block_size * kept);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / splits, first_head = task % splits * per_task, len = lens[seq];
       const int64_t* table = tables + seq * width;
@@ -212,24 +239,24 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       std::fill(total.begin(), total.end(), 0.f);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t rows = std::min(block_size, len - b * block_size);
-        const int64_t source = table[b] * block_stride + first_head * dim;
+        const int64_t source = table[b] * block_stride + first_head * row;
         if (b + 1 < blocks) {
-          const int64_t next = table[b + 1] * block_stride + first_head * dim;
+          const int64_t next = table[b + 1] * block_stride + first_head * row;
           prefetch_rows(ks + next, block_size, slot_stride, kept);
           prefetch_rows(vs + next, block_size, slot_stride, kept);
         }
         copy_rows(ks + source, kbuf.data(), rows, slot_stride, kept);
         copy_rows(vs + source, vbuf.data(), rows, slot_stride, kept);
-        const scalar_t* kb = kbuf.data();
-        const scalar_t* vb = vbuf.data();
+        const cache_t* kb = kbuf.data();
+        const cache_t* vb = vbuf.data();
         for (int64_t h = 0; h < per_task; ++h) {
-          const int64_t offset = h * dim;
+          const int64_t offset = h * row;
           const float* qh = query.data() + h * group * dim;
           float* ah = acc.data() + h * group * dim;
 #if defined(__AVX512F__)
-          if constexpr (kVectorized<scalar_t, DIM>) {
+          if constexpr (kVectorized<cache_t, DIM>) {
             if (block_size <= 16) {
-              attend_block_heads<scalar_t, DIM>(qh, kb + offset, vb + offset, kept, rows, group,
+              attend_block_heads<cache_t, DIM>(qh, kb + offset, vb + offset, kept, rows, group,
                                                 top.data() + h * group, total.data() + h * group, ah);
               continue;
             }
@@ -237,7 +264,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #endif
           float* sh = scores.data() + h * group * block_size;
           for (int64_t t = 0; t < rows; ++t)
-            score_key<scalar_t, DIM>(qh, kb + offset + t * kept, group, dim, row.data(), sh + t, block_size);
+            score_key<cache_t, DIM>(qh, kb + offset + t * kept, group, dim, unpacked.data(), sh + t, block_size);
           for (int64_t g = 0; g < group; ++g) {
             float* sg = sh + g * block_size;
             const int64_t r = h * group + g;
@@ -253,8 +280,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             for (int64_t d = 0; d < dim; ++d) ah[g * dim + d] *= rescale;
           }
           for (int64_t t = 0; t < rows; ++t)
-            accumulate_value<scalar_t, DIM>(vb + offset + t * kept, sh + t, block_size, group, dim, row.data(),
-                                            ah);
+            accumulate_value<cache_t, DIM>(vb + offset + t * kept, sh + t, block_size, group, dim,
+                                           unpacked.data(), ah);
         }
       }
       scalar_t* o = os + (seq * heads + first_head * group) * dim;
@@ -266,16 +293,29 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+template <typename scalar_t, typename cache_t>
+void decode_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+  if (q.size(2) == 64)
+    decode<scalar_t, cache_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (q.size(2) == 128)
+    decode<scalar_t, cache_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else
+    decode<scalar_t, cache_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
               "q (n, heads, head_dim) and a cache (blocks, block_size, kv_heads, head_dim)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "the K and V caches must be contiguous and of one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the cache must share a dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "q's head_dim must match the cache's, and its heads be a multiple of the KV heads");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) && k_cache.scalar_type() == v_cache.scalar_type(),
+              "the cache must hold q's dtype or int8");
+  TORCH_CHECK(q.size(2) + (int8 ? 4 : 0) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "the cache's rows must be q's head_dim (", q.size(2), ") long, plus 4 bytes of scale for int8 (got ",
+              k_cache.size(3), "), and q's heads a multiple of the KV heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block tables and sequence lengths are int64");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
@@ -295,12 +335,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   at::Tensor out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    if (q.size(2) == 64)
-      decode<scalar_t, 64>(query, k_cache, v_cache, tables, lens, static_cast<float>(scale), out);
-    else if (q.size(2) == 128)
-      decode<scalar_t, 128>(query, k_cache, v_cache, tables, lens, static_cast<float>(scale), out);
+    if (int8)
+      decode_head_dim<scalar_t, int8_t>(query, k_cache, v_cache, tables, lens, static_cast<float>(scale), out);
     else
-      decode<scalar_t, 0>(query, k_cache, v_cache, tables, lens, static_cast<float>(scale), out);
+      decode_head_dim<scalar_t, scalar_t>(query, k_cache, v_cache, tables, lens, static_cast<float>(scale), out);
   });
   return out;
 }

@@ -1,7 +1,8 @@
 """meshserve's C++ kernels for the CPU, built with torch's extension builder the first
 time a process needs them and cached on disk by torch: the paged decode attention
 (cpu_decode_attention.cpp, wrapped by cpu_attention.py), the w8a8 linears' row
-quantization (cpu_quantize_rows.cpp, used by meshserve.layers.quant), and RMSNorm,
+quantization and the int8 KV cache's (cpu_quantize_rows.cpp, used by meshserve.layers.quant
+and meshserve.layers.kv_quant), and RMSNorm,
 silu-and-mul (for the cpu backend's eager steps) and greedy sampling's argmax in one pass
 each (cpu_norm_act.cpp).
 
@@ -50,6 +51,7 @@ def available() -> bool:
     torch.library.register_fake("meshserve_cpu::quantize_rows_u8")(_quantize_rows_u8_shape)
     torch.library.register_fake("meshserve_cpu::scale_rows_")(_scale_rows_shape)
     torch.library.register_fake("meshserve_cpu::w8a8_linear")(_w8a8_linear_shape)
+    torch.library.register_fake("meshserve_cpu::quantize_kv_int8")(_quantize_kv_int8_shape)
     torch.library.register_fake("meshserve_cpu::rms_norm")(_rms_norm_shape)
     torch.library.register_fake("meshserve_cpu::silu_and_mul")(_silu_and_mul_shape)
     torch.library.register_fake("meshserve_cpu::argmax_rows")(_argmax_rows_shape)
@@ -70,6 +72,10 @@ def _scale_rows_shape(y, scales):
 
 def _w8a8_linear_shape(x, packed, w_scale, w_zero):
     return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
+
+
+def _quantize_kv_int8_shape(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] + 4), dtype=torch.int8)
 
 
 def _rms_norm_shape(x, weight, eps, residual):

@@ -1,5 +1,5 @@
 // Shared by meshserve's CPU row kernels: how many rows a parallel task takes, and (with
-// AVX-512) 16 floats at a time: loads that widen bf16 / fp16 to float32, stores that narrow
+// AVX-512) 16 floats at a time: loads that widen bf16 / fp16 / int8 to float32, stores that narrow
 // back (bf16 rounding to nearest even), and exp. Each kernel keeps a scalar loop for the
 // tail and for builds without AVX-512.
 #pragma once
@@ -40,6 +40,12 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 template <>
 inline __m512 load16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// int8 codes widen to float32 (the KV cache's int8 rows; their scale is applied by the caller)
+template <>
+inline __m512 load16<int8_t>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 template <typename scalar_t>

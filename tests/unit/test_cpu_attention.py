@@ -100,7 +100,7 @@ def test_bad_tables_are_refused_with_the_numbers():
     bad[1, 1] = 10_000
     with pytest.raises(RuntimeError, match=r"block id 10000 outside the cache's 9 blocks"):
         op(q, k_cache, v_cache, bad, lens, 0.125)
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="the cache must hold q.s dtype or int8"):
         op(q.double(), k_cache, v_cache, tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="int64"):
         op(q, k_cache, v_cache, tables.int(), lens, 0.125)
