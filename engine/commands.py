@@ -49,6 +49,9 @@ class Frontend(Protocol):
     def send(self, key: Hashable, message: msgspec.Struct) -> None:
         """Deliver a Delta or ErrorReply to the client behind `key` (called by the step loop)."""
 
+    def send_all(self, replies: list[tuple[Hashable, msgspec.Struct]]) -> None:
+        """send() each (key, message) of one step, in order (called by the step loop)."""
+
     def fail(self, keys: list[Hashable], message: str) -> None:
         """From any thread, once the engine is dead: send each of `keys` an `unavailable`
         error, stop accepting, and report the failure (an HTTP /health of 503)."""

@@ -164,8 +164,14 @@ class HttpFrontend:
 
     def send(self, key: Hashable, message: msgspec.Struct) -> None:
         """Hand a reply to the event loop (called from the step loop's thread)."""
+        self.send_all([(key, message)])
+
+    def send_all(self, replies: list[tuple[Hashable, msgspec.Struct]]) -> None:
+        """Hand a step's replies to the event loop in one wake-up: each call_soon_threadsafe
+        writes to the loop's self-pipe, which per reply took ~3% of the step loop's time at 32
+        streams (py-spy on `meshserve serve` under `meshserve bench`)."""
         try:
-            self._loop.call_soon_threadsafe(self._deliver, key, message)
+            self._loop.call_soon_threadsafe(self._deliver_all, replies)
         except RuntimeError:  # the loop is closed: the server is stopping, nobody is listening
             pass
 
@@ -202,6 +208,10 @@ class HttpFrontend:
             self.error = e
         finally:
             self._loop.close()
+
+    def _deliver_all(self, replies: list[tuple[Hashable, Any]]) -> None:
+        for key, message in replies:
+            self._deliver(key, message)
 
     def _deliver(self, key: Hashable, message: Any) -> None:
         if key is None:  # close(): whoever still waits gets an error instead of hanging

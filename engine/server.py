@@ -30,6 +30,14 @@ class Server:
     def send(self, key, message) -> None:
         self.frontends[key[0]].send(key, message)
 
+    def send_all(self, replies: list) -> None:
+        """A step's (key, message) replies, to each frontend in one batch."""
+        batches: dict[str, list] = {}
+        for key, message in replies:
+            batches.setdefault(key[0], []).append((key, message))
+        for tag, batch in batches.items():
+            self.frontends[tag].send_all(batch)
+
     def run(self, drain_timeout: float = 30.0) -> None:
         """Serve until stop_requested; then refuse new requests, let running ones finish
         for up to `drain_timeout` seconds, abort the rest, and return."""
@@ -57,8 +65,7 @@ class Server:
                     replies = self.engine.step()
                 except Exception as e:  # a rank died mid-step, or the step itself failed
                     self._give_up(e)
-                for key, delta in replies:
-                    self.send(key, delta)
+                self.send_all(replies)
         for key in list(self.engine.requests):
             delta = self.engine.abort(key)
             if delta is not None:

@@ -77,6 +77,10 @@ class ZmqFrontend:
         identity = key[1]
         self._push.send_multipart([identity, self._auth.seal(self._encoder.encode(message))])
 
+    def send_all(self, replies: list[tuple[Hashable, msgspec.Struct]]) -> None:
+        for key, message in replies:
+            self.send(key, message)
+
     def fail(self, keys: list[Hashable], message: str) -> None:
         """Answer each of `keys` with an `unavailable` error (any thread; the I/O thread sends)."""
         self.accepting = False

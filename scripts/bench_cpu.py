@@ -1,6 +1,7 @@
 """One stream on the CPU: meshserve's engine vs llama.cpp in-process (llama-cpp-python, the
 same GGUF, its own Q4_1 weights and AMX kernels), in one run; with meshserve's batch-1
-decode MBU and 512-token prefill MFU against the bandwidth and matmul peak measured here.
+decode MBU and 512-token prefill MFU against the bandwidth and matmul peak measured here
+(in the variant's process, right before each decode run and before the prefills).
 
 meshserve runs in each --variants dtype[:model.quantization[:compile]] (int4 keeps the
 GGUF's own Q4_1 codes, MBU then counts the quantized bytes; compile: device.compile=true,
@@ -11,8 +12,7 @@ ignored). Prints tok/s, the ratio to llama.cpp, MBU, MFU; median of --repeats; w
 
 The machine's speed drifts between processes (llama.cpp alone gave 128-188 tok/s in one
 evening), so with --rounds N the peer and every variant run N times in turn: each round
-measures the bandwidth, then the peer, then the variants, whose ratios and MBU are taken
-against that round's peer and bandwidth; the table shows the medians over rounds (tok/s,
+runs the peer, then the variants, whose ratios are taken against that round's peer; the table shows the medians over rounds (tok/s,
 ratio, MBU, prefill) and each round's ratios. Compiled variants reuse inductor's on-disk
 cache after the first round, so later rounds' compile times are the cached start-up.
 
@@ -78,8 +78,10 @@ def parse_variant(variant: str) -> tuple[str, str, bool]:
     return dtype, quantization, "compile" in flags
 
 
-def run_variant(args, variant: str, prompt: list[int], bandwidth: float) -> dict:
-    """One meshserve variant in this process: the --variant child's work."""
+def run_variant(args, variant: str, prompt: list[int]) -> dict:
+    """One meshserve variant in this process: the --variant child's work. Each decode
+    repeat comes right after a read-bandwidth probe in this process, and its MBU is taken
+    against that probe: the machine's bandwidth drifts by tens of percent between minutes."""
     dtype, quantization, compile_decode = parse_variant(variant)
     config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
                                 "model.max_model_len=1024", f"device.compile={compile_decode}"])
@@ -90,14 +92,19 @@ def run_variant(args, variant: str, prompt: list[int], bandwidth: float) -> dict
     compiled = engine.executor.runner.compiled
     cost = ModelCost(info, DTYPE_BYTES[dtype], quantization)
     peak = measure_matmul_peak(DTYPES[dtype])
-    decode = statistics.median(args.output_len / run_meshserve(engine, [prompt], args.output_len)[1]
-                               for _ in range(args.repeats))
-    prefill = statistics.median(prefill_seconds(engine, args.prefill_len) for _ in range(args.repeats))
     ctx = args.prompt_len + args.output_len // 2
+    step_bytes = cost.weight_bytes + ctx * cost.kv_bytes_per_token
+    bandwidths, speeds = [], []
+    for _ in range(args.repeats):
+        bandwidths.append(measure_memory_bandwidth())
+        speeds.append(args.output_len / run_meshserve(engine, [prompt], args.output_len)[1])
+    decode = statistics.median(speeds)
+    prefill = statistics.median(prefill_seconds(engine, args.prefill_len) for _ in range(args.repeats))
     return {"variant": variant, "dtype": dtype, "quantization": quantization, "compile": compiled is not None,
             "compile_seconds": compiled.compile_seconds if compiled else 0.0, "build_seconds": build_seconds,
             "compiled_steps": compiled.steps if compiled else 0, "decode_tok_s": decode,
-            "decode_mbu": decode * (cost.weight_bytes + ctx * cost.kv_bytes_per_token) / bandwidth,
+            "decode_mbu": statistics.median(s * step_bytes / b for s, b in zip(speeds, bandwidths)),
+            "bandwidth": statistics.median(bandwidths),
             "prefill_seconds": prefill, "prefill_mfu": cost.flops(args.prefill_len, args.prefill_len) / prefill / peak,
             "matmul_peak": peak}
 
@@ -106,16 +113,17 @@ def median_row(runs: list[dict]) -> dict:
     """One variant over rounds: the median of each figure, the first round's compile time,
     and each round's ratio."""
     row = dict(runs[0])
-    for key in ("decode_tok_s", "decode_mbu", "prefill_seconds", "prefill_mfu", "matmul_peak", "ratio_to_llama_cpp"):
+    for key in ("decode_tok_s", "decode_mbu", "bandwidth", "prefill_seconds", "prefill_mfu", "matmul_peak",
+                "ratio_to_llama_cpp"):
         row[key] = statistics.median(run[key] for run in runs)
     row["ratios"] = [run["ratio_to_llama_cpp"] for run in runs]
     return row
 
 
-def child(args, flag: str, value: str, bandwidth: float) -> dict:
+def child(args, flag: str, value: str) -> dict:
     """Run this script for one side in a fresh process: llama.cpp's threads, torch's and
     the compiled graphs of one variant never share a process with another's."""
-    cmd = [sys.executable, __file__, flag, value, "--bandwidth", str(bandwidth), "--threads", str(args.threads),
+    cmd = [sys.executable, __file__, flag, value, "--threads", str(args.threads),
            "--repeats", str(args.repeats), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
            "--prefill-len", str(args.prefill_len)]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -137,7 +145,6 @@ def main() -> None:
     ap.add_argument("--output", default="results/bench_cpu.json")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)
-    ap.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     for variant in args.variants:
         try:
@@ -151,26 +158,26 @@ def main() -> None:
                                                      for _ in range(args.repeats))}))
         return
     if args.variant:
-        print(json.dumps(run_variant(args, args.variant, prompt, args.bandwidth)))
+        print(json.dumps(run_variant(args, args.variant, prompt)))
         return
 
     gguf = str(resolve_model_path("builtin:smollm2-135m-instruct"))
     peers: list[float] = []
-    bandwidths: list[float] = []
     runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
     for r in range(args.rounds):
-        bandwidth = measure_memory_bandwidth()
-        bandwidths.append(bandwidth)
-        peers.append(child(args, "--peer", gguf, bandwidth)["tok_s"])
-        print(f"round {r + 1}/{args.rounds}: read bandwidth {bandwidth / 1e9:.1f} GB/s, llama.cpp in-process (Q4_1) "
-              f"{peers[-1]:.1f} tok/s", flush=True)
+        peers.append(child(args, "--peer", gguf)["tok_s"])
+        print(f"round {r + 1}/{args.rounds}: llama.cpp in-process (Q4_1) {peers[-1]:.1f} tok/s", flush=True)
         for variant in args.variants:
-            row = child(args, "--variant", variant, bandwidth)
+            row = child(args, "--variant", variant)
             row["ratio_to_llama_cpp"] = row["decode_tok_s"] / peers[-1]
             runs[variant].append(row)
-            print(f"  {variant:<22} {row['decode_tok_s']:6.1f} tok/s ({row['ratio_to_llama_cpp']:.2f}x)", flush=True)
-    peer, bandwidth = statistics.median(peers), statistics.median(bandwidths)
-    print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s; llama.cpp in-process (Q4_1): {peer:.1f} tok/s"
+            print(f"  {variant:<22} {row['decode_tok_s']:6.1f} tok/s ({row['ratio_to_llama_cpp']:.2f}x), MBU "
+                  f"{100 * row['decode_mbu']:.1f}% of {row['bandwidth'] / 1e9:.1f} GB/s", flush=True)
+    peer = statistics.median(peers)
+    bandwidths = [run["bandwidth"] for variant_runs in runs.values() for run in variant_runs]
+    bandwidth = statistics.median(bandwidths)
+    print(f"roofline: memory bandwidth {bandwidth / 1e9:.1f} GB/s (median of the variants' probes); "
+          f"llama.cpp in-process (Q4_1): {peer:.1f} tok/s"
           + (f" (median of {args.rounds} rounds)" if args.rounds > 1 else ""), flush=True)
     rows = []
     for variant in args.variants:
@@ -185,7 +192,7 @@ def main() -> None:
               flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bandwidth": bandwidth, "bandwidth_rounds": bandwidths, "llama_cpp_tok_s": peer,
+    out.write_text(json.dumps({"bandwidth": bandwidth, "bandwidth_probes": bandwidths, "llama_cpp_tok_s": peer,
                                "llama_cpp_rounds": peers,
                                "rows": rows, "rounds": runs}, indent=1))
 
