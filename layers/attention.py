@@ -10,7 +10,8 @@ A step is a flat batch of new tokens from several sequences: sequences with one 
 token (decodes) are computed together in one batched call (gather + SDPA, or the cpu
 backend's C++ kernel reading the cache in place); sequences with several
 (prefill chunks) one by one, each attending to its cached prefix and itself, causally,
-in blocks of QUERY_BLOCK rows.
+in blocks of QUERY_BLOCK rows, except that the cpu backend computes every chunk with no
+cached prefix in one call of its C++ prefill kernel.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None
     """(num_decodes,) int64 cached tokens of each: set instead of decode_mask for the cpu
     backend's C++ kernel, which reads the cache in place."""
+    fresh_chunks: torch.Tensor | None = None
+    """(n, 2) int64 first row and length of each prefill chunk with no cached prefix: the
+    cpu backend's C++ prefill kernel computes them all in one call."""
     prefills: list[PrefillChunk] = field(default_factory=list)
     workspace: "GatherWorkspace | None" = None
     """The backend's reusable buffers for the decode gather, if it keeps them."""
@@ -128,9 +132,10 @@ def starts_and_slots(query_lens: list[int], seq_lens: list[int], block_tables: l
 def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                              block_size: int, device: torch.device | str = "cpu",
                              workspace: GatherWorkspace | None = None,
-                             decode_kernel: bool = False) -> AttentionMetadata:
+                             cpu_kernels: bool = False) -> AttentionMetadata:
     """Host lists -> the tensors the torch backend needs, built once per step;
-    `decode_kernel`: decodes go to the C++ kernel (lengths, no mask)."""
+    `cpu_kernels`: for the cpu backend's C++ kernels (decode lengths instead of a mask, and
+    the spans of the chunks with no cached prefix)."""
     starts, slots = starts_and_slots(query_lens, seq_lens, block_tables, block_size)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -145,7 +150,7 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         meta.decode_rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
         lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.long, device=device)
-        if decode_kernel:
+        if cpu_kernels:
             meta.decode_lens = lens
         else:
             meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :]
@@ -157,6 +162,9 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         n_blocks = (s + block_size - 1) // block_size
         meta.prefills.append(PrefillChunk(starts[i], q, s, torch.tensor(block_tables[i][:n_blocks], device=device),
                                           query_blocks(q, s - q, device)))
+    fresh = [[starts[i], q] for i, q in enumerate(query_lens) if q > 1 and seq_lens[i] == q]
+    if cpu_kernels and fresh:
+        meta.fresh_chunks = torch.tensor(fresh, dtype=torch.long, device=device)
     return meta
 
 
@@ -207,10 +215,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     kv_heads, row = k_rows.shape[1], k_rows.shape[2]
     k_cache.view(-1, kv_heads, row).index_copy_(0, meta.slot_mapping, k_rows)
     v_cache.view(-1, kv_heads, row).index_copy_(0, meta.slot_mapping, v_rows)
-    out = torch.empty_like(q)
+    fresh = meta.fresh_chunks is not None and cpu_attention.prefill_fits(q.shape[-1])
+    out = cpu_attention.prefill_attention(q, k, v, meta.fresh_chunks, scale) if fresh else torch.empty_like(q)
     if meta.decode_rows is not None:
         out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
+        if fresh and chunk.seq_len == chunk.query_len:
+            continue
         rows = slice(chunk.start, chunk.start + chunk.query_len)
         _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, out=out[rows])
     return out

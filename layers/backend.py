@@ -6,8 +6,8 @@ branches on the device:
 - `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE): the reference
   every other backend is tested against, and the default on CPU without a C++ compiler.
 - `CpuBackend`: the torch backend with decode attention in meshserve's C++ kernel, which
-  reads the paged cache (bf16, float32 or int8) in place, the int8 cache's rows quantized
-  in C++, and RMSNorm and silu-and-mul in one C++ pass each outside compiled graphs. The
+  reads the paged cache (bf16, float32 or int8) in place, the attention of prefill chunks
+  with no cached prefix in another, the int8 cache's rows quantized in C++, and RMSNorm and silu-and-mul in one C++ pass each outside compiled graphs. The
   default on CPU when the kernels build.
 - `TritonBackend` (meshserve.layers.kernels.triton_backend): meshserve's Triton kernels,
   the default on CUDA when triton is installed (`pip install 'meshserve[gpu]'`).
@@ -109,7 +109,7 @@ class CpuBackend(TorchBackend):
 
     def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
         return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device,
-                                                  decode_kernel=True)
+                                                  cpu_kernels=True)
 
     @staticmethod
     def attention(q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:

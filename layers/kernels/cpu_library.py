@@ -1,6 +1,7 @@
 """meshserve's C++ kernels for the CPU, built with torch's extension builder the first
 time a process needs them and cached on disk by torch: the paged decode attention
-(cpu_decode_attention.cpp, wrapped by cpu_attention.py), the w8a8 linears' row
+(cpu_decode_attention.cpp) and the causal attention of a prompt's first chunk
+(cpu_prefill_attention.cpp), both wrapped by cpu_attention.py, the w8a8 linears' row
 quantization and the int8 KV cache's (cpu_quantize_rows.cpp, used by meshserve.layers.quant
 and meshserve.layers.kv_quant), and RMSNorm,
 silu-and-mul (for the cpu backend's eager steps) and greedy sampling's argmax in one pass
@@ -21,7 +22,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_decode_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp")]
+           for name in ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp",
+                        "cpu_norm_act.cpp")]
 
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -48,6 +50,7 @@ def available() -> bool:
                     "calls SDPA instead, and w8a8 quantizes its inputs in torch ops", e)
         return False
     torch.library.register_fake("meshserve_cpu::paged_decode_attention")(_paged_decode_attention_shape)
+    torch.library.register_fake("meshserve_cpu::prefill_attention")(_prefill_attention_shape)
     torch.library.register_fake("meshserve_cpu::quantize_rows_u8")(_quantize_rows_u8_shape)
     torch.library.register_fake("meshserve_cpu::scale_rows_")(_scale_rows_shape)
     torch.library.register_fake("meshserve_cpu::w8a8_linear")(_w8a8_linear_shape)
@@ -59,6 +62,10 @@ def available() -> bool:
 
 
 def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _prefill_attention_shape(q, k, v, chunks, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

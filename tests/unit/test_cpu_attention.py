@@ -4,14 +4,22 @@ float16; head sizes on its vector path (multiples of 16) and off it; GQA groups 
 6 (its block path takes up to 4 query heads at a time); blocks of up to 16 tokens (the
 block path) and of 32; lengths of one token, whole blocks and partial ones; few sequences (a task per KV
 head) and many (a task per sequence); inside torch.compile. Then the whole model with the
-cpu backend against the torch backend, and the kernel's refusals of bad tables."""
+cpu backend against the torch backend, and the kernel's refusals of bad tables.
+
+Its prefill kernel against float64 causal attention per chunk: the same dtypes, head sizes
+on and off its vector paths, chunks shorter and longer than its 16-query tiles, strided
+q/k/v (views of one fused projection); and a step mixing a fresh chunk, a chunk after a
+cached prefix and a decode, through the cpu backend against the torch backend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from meshserve.layers.attention import build_attention_metadata, paged_attention
+from meshserve.layers.backend import CpuBackend
 from meshserve.layers.kernels import cpu_attention
+from support.kernel_cases import math_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel")
 
@@ -113,3 +121,63 @@ def test_model_with_cpu_backend_matches_torch_backend(tiny_checkpoints):
     assert r["cpu"] == r["torch"], "greedy tokens differ"
     assert len(r["torch"]) == 3 and all(len(t) == 6 for t in r["torch"])
     assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"], (r["logits_max_diff"], r["logits_scale"])
+
+
+SPANS = [(3, 5), (8, 16), (24, 17), (41, 100), (141, 1), (142, 33)]
+"""(first row, length) of the chunks of one flat batch; rows 0-2 belong to none."""
+
+
+def fused_projection(tokens, heads, kv_heads, head_dim, dtype, seed=0):
+    """q, k, v as views of one (tokens, heads + 2 kv_heads, head_dim) tensor, as the model's
+    fused QKV projection gives them (row stride wider than a row)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (12, 2, 64), (4, 4, 32), (6, 2, 24)])
+def test_prefill_kernel_matches_float64_causal_attention(dtype, heads, kv_heads, head_dim, two_threads):
+    tokens = SPANS[-1][0] + SPANS[-1][1]
+    q, k, v = fused_projection(tokens, heads, kv_heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    got = cpu_attention.prefill_attention(q, k, v, torch.tensor(SPANS), scale)
+    assert got.shape == q.shape and got.dtype == dtype
+    for start, length in SPANS:
+        rows = slice(start, start + length)
+        want, _ = math_attention(q[rows], k[rows], v[rows], scale, torch.ones(length, length, dtype=torch.bool).tril())
+        torch.testing.assert_close(got[rows].double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_prefill_kernel_refuses_chunks_outside_the_batch():
+    q, k, v = fused_projection(10, 9, 3, 64, torch.float32)
+    with pytest.raises(RuntimeError, match=r"chunk 1 covers rows 6..12 of 10"):
+        cpu_attention.prefill_attention(q, k, v, torch.tensor([[0, 6], [6, 6]]), 0.125)
+    with pytest.raises(RuntimeError, match=r"chunks is \(n, 2\) int64"):
+        cpu_attention.prefill_attention(q, k, v, torch.tensor([0, 6]), 0.125)
+
+
+@pytest.mark.skipif(not cpu_attention.prefill_fits(64), reason="no AVX-512 build of the prefill kernel")
+def test_a_step_with_fresh_and_prefixed_chunks_and_a_decode_matches_the_torch_backend():
+    """Sequence A prefills 40 tokens, B 30; then A takes a 20-token chunk after its cached
+    prefix (SDPA), C prefills 50 fresh (the kernel) and B decodes (the decode kernel)."""
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(3)
+
+    def rand(n, h):
+        return torch.randn(n, h, head_dim, generator=g)
+
+    caches = {name: tuple(torch.zeros(40, block, kv_heads, head_dim) for _ in range(2)) for name in ("cpu", "torch")}
+    tables = [[1, 2, 3, 4], [10, 11], [20, 21, 22, 23]]
+    steps = [([40, 30], [40, 30], tables[:2]), ([20, 1, 50], [60, 31, 50], tables)]
+    for query_lens, seq_lens, step_tables in steps:
+        n = sum(query_lens)
+        q, k, v = rand(n, heads), rand(n, kv_heads), rand(n, kv_heads)
+        fast_meta = build_attention_metadata(query_lens, seq_lens, step_tables, block, cpu_kernels=True)
+        fresh = [[start, length] for start, length, total in zip(fast_meta.query_start_loc, query_lens, seq_lens)
+                 if length > 1 and length == total]
+        assert fast_meta.fresh_chunks.tolist() == fresh
+        fast = CpuBackend.attention(q, k, v, caches["cpu"], fast_meta, head_dim ** -0.5)
+        want = paged_attention(q, k, v, caches["torch"], build_attention_metadata(query_lens, seq_lens, step_tables,
+                                                                                 block), head_dim ** -0.5)
+        torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)

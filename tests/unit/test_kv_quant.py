@@ -124,10 +124,10 @@ def test_paged_attention_over_an_int8_cache_matches_dense_attention_over_its_con
     scale = HEAD_DIM ** -0.5
     kernel = backend == "cpu"
 
-    meta = build_attention_metadata([first, other], [first, other], [table_a, table_b], BLOCK, decode_kernel=kernel)
+    meta = build_attention_metadata([first, other], [first, other], [table_a, table_b], BLOCK, cpu_kernels=kernel)
     out1 = attend(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
                   torch.cat([va[:first], vb[:other]]), cache, meta, scale)
-    meta = build_attention_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK, decode_kernel=kernel)
+    meta = build_attention_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK, cpu_kernels=kernel)
     out2 = attend(torch.cat([qa[first:], qb[other:]]), torch.cat([ka[first:], kb[other:]]),
                   torch.cat([va[first:], vb[other:]]), cache, meta, scale)
 

@@ -23,9 +23,9 @@ def dense_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
 
 
-@pytest.mark.parametrize("decode_kernel", [False, pytest.param(True, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("cpu_kernels", [False, pytest.param(True, marks=pytest.mark.skipif(
     not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel"))])
-def test_chunks_of_several_query_blocks_match_dense_attention(decode_kernel):
+def test_chunks_of_several_query_blocks_match_dense_attention(cpu_kernels):
     torch.manual_seed(0)
     first, second = 2 * QUERY_BLOCK + 5, QUERY_BLOCK + 20  # sequence A: prefill, then a chunk after its prefix
     other = 30  # sequence B: prefilled in step 1, decodes one token in step 2
@@ -41,8 +41,8 @@ def test_chunks_of_several_query_blocks_match_dense_attention(decode_kernel):
     out1 = paged_attention(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
                            torch.cat([va[:first], vb[:other]]), cache, meta, scale)
     meta = build_attention_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK,
-                                    decode_kernel=decode_kernel)
-    assert (meta.decode_lens is not None) == decode_kernel and (meta.decode_mask is None) == decode_kernel
+                                    cpu_kernels=cpu_kernels)
+    assert (meta.decode_lens is not None) == cpu_kernels and (meta.decode_mask is None) == cpu_kernels
     assert [b.mask is not None for b in meta.prefills[0].query_blocks] == [True, True]
     out2 = paged_attention(torch.cat([qa[first:], qb[other:]]), torch.cat([ka[first:], kb[other:]]),
                            torch.cat([va[first:], vb[other:]]), cache, meta, scale)
