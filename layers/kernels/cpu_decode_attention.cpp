@@ -32,8 +32,8 @@
 namespace {
 
 #if defined(__AVX512F__)
-using meshserve_cpu::exp16;
 using meshserve_cpu::load16;
+using meshserve_cpu::softmax_block;
 #endif
 
 // The float32 scale stored after the `dim` codes of an int8 cache row; 1 for other dtypes.
@@ -136,15 +136,8 @@ inline void attend_block(const float* q, const scalar_t* kb, const scalar_t* vb,
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
   float rescale[G];
-  for (int g = 0; g < G; ++g) {
-    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), mask, s[g]);
-    const float new_top = std::max(top[g], _mm512_reduce_max_ps(sv));
-    const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_top))));
-    rescale[g] = std::exp(top[g] - new_top);
-    total[g] = total[g] * rescale[g] + _mm512_reduce_add_ps(p);
-    top[g] = new_top;
-    _mm512_store_ps(s[g], p);
-  }
+  for (int g = 0; g < G; ++g)
+    _mm512_store_ps(s[g], softmax_block(_mm512_maskz_loadu_ps(mask, s[g]), mask, top[g], total[g], rescale[g]));
   __m512 a[G][NV];
   for (int g = 0; g < G; ++g)
     for (int64_t i = 0; i < NV; ++i)

@@ -32,8 +32,8 @@ struct Rows {
 };
 
 #if defined(__AVX512F__)
-using meshserve_cpu::exp16;
 using meshserve_cpu::load16;
+using meshserve_cpu::softmax_block;
 using meshserve_cpu::store16;
 
 // One task, NV = head_dim / 16. q rows are pre-scaled into `query` (group x 16 x D).
@@ -87,13 +87,7 @@ void attend_tile(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar
         // query token first + r sees keys up to itself: tile * 16 + c <= first + r
         const int64_t visible = std::min<int64_t>(kTile, first + r - tile * kTile + 1);
         const __mmask16 mask = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1);
-        const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), mask, s[r]);
-        const float new_top = std::max(top[r], _mm512_reduce_max_ps(sv));
-        const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_top))));
-        rescale[r] = std::exp(top[r] - new_top);
-        total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(e);
-        top[r] = new_top;
-        _mm512_store_ps(p[r], e);
+        _mm512_store_ps(p[r], softmax_block(s[r], mask, top[r], total[r], rescale[r]));
       }
       const float* vt = v_buf.data() + tile * kTile * D;
       for (int r0 = 0; r0 < kTile; r0 += 4) {

@@ -37,22 +37,25 @@
 
 namespace {
 
+// One row's 8-bit codes round(x / scale) + kOffset, scale = absmax / 127; returns the scale.
+template <typename scalar_t, typename code_t, int32_t kOffset>
+inline float quantize_row(const scalar_t* row, int64_t cols, code_t* out) {
+  float top = 0.f;
+#pragma omp simd reduction(max : top)
+  for (int64_t c = 0; c < cols; ++c) top = std::max(top, std::abs(static_cast<float>(row[c])));
+  const float scale = std::max(top, std::numeric_limits<float>::min()) / 127.f;
+  const float inv = 1.f / scale;
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c)
+    out[c] = static_cast<code_t>(static_cast<int32_t>(std::nearbyint(static_cast<float>(row[c]) * inv)) + kOffset);
+  return scale;
+}
+
 template <typename scalar_t>
 void quantize(const scalar_t* x, int64_t rows, int64_t cols, int64_t stride, uint8_t* codes, float* scales) {
   at::parallel_for(0, rows, meshserve_cpu::rows_per_task(cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* row = x + r * stride;
-      float top = 0.f;
-#pragma omp simd reduction(max : top)
-      for (int64_t c = 0; c < cols; ++c) top = std::max(top, std::abs(static_cast<float>(row[c])));
-      const float scale = std::max(top, std::numeric_limits<float>::min()) / 127.f;
-      const float inv = 1.f / scale;
-      uint8_t* out = codes + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c)
-        out[c] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(static_cast<float>(row[c]) * inv)) + 128);
-      scales[r] = scale;
-    }
+    for (int64_t r = begin; r < end; ++r)
+      scales[r] = quantize_row<scalar_t, uint8_t, 128>(x + r * stride, cols, codes + r * cols);
   });
 }
 
@@ -108,16 +111,8 @@ void quantize_kv(const scalar_t* x, int64_t rows, int64_t cols, int8_t* packed) 
   const int64_t row_bytes = cols + static_cast<int64_t>(sizeof(float));
   at::parallel_for(0, rows, meshserve_cpu::rows_per_task(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* row = x + r * cols;
-      float top = 0.f;
-#pragma omp simd reduction(max : top)
-      for (int64_t c = 0; c < cols; ++c) top = std::max(top, std::abs(static_cast<float>(row[c])));
-      const float scale = std::max(top, std::numeric_limits<float>::min()) / 127.f;
-      const float inv = 1.f / scale;
       int8_t* out = packed + r * row_bytes;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c)
-        out[c] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(static_cast<float>(row[c]) * inv)));
+      const float scale = quantize_row<scalar_t, int8_t, 0>(x + r * cols, cols, out);
       std::memcpy(out + cols, &scale, sizeof(float));
     }
   });

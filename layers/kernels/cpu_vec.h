@@ -1,6 +1,6 @@
 // Shared by meshserve's CPU row kernels: how many rows a parallel task takes, and (with
 // AVX-512) 16 floats at a time: loads that widen bf16 / fp16 / int8 to float32, stores that narrow
-// back (bf16 rounding to nearest even), and exp. Each kernel keeps a scalar loop for the
+// back (bf16 rounding to nearest even), exp, and a running softmax's step. Each kernel keeps a scalar loop for the
 // tail and for builds without AVX-512.
 #pragma once
 
@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -84,6 +85,20 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// One block of a running softmax over 16 scores, lanes outside `mask` ignored: returns
+// exp(s - max) (0 outside the mask) and sets `rescale` = exp(old max - new max), by which the
+// caller scales what it accumulated; `top` (the running max) and `total` (the running sum)
+// move on.
+inline __m512 softmax_block(__m512 s, __mmask16 mask, float& top, float& total, float& rescale) {
+  const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), mask, s);  // finite: -ffast-math
+  const float new_top = std::max(top, _mm512_reduce_max_ps(sv));
+  const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_top))));
+  rescale = std::exp(top - new_top);
+  total = total * rescale + _mm512_reduce_add_ps(p);
+  top = new_top;
+  return p;
 }
 
 }  // namespace meshserve_cpu

@@ -8,22 +8,15 @@ import pytest
 
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs import ConfigError, load_config
-from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
-from meshserve.engine.bootstrap import build_single_rank_engine
 from meshserve.engine.offline import generate
+from support.engines import make_engine
 from support.reference import hf_greedy, hf_model
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7], list(range(1000, 1023))]
 NEW_TOKENS = [12, 20, 30, 16]
-
-
-def make_engine(path, *overrides):
-    config = load_config(None, [f"model.path={path}", "model.max_model_len=256", *overrides])
-    info = check_config(config)
-    return build_single_rank_engine(config, info, plan_memory(config, info), threads=None)
 
 
 def test_compiled_decode_matches_transformers_alone_and_batched(tiny_checkpoints):

@@ -14,12 +14,12 @@ from meshserve.comm.messages import SamplingParams
 from meshserve.configs import ConfigError, load_config
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
-from meshserve.engine.bootstrap import build_single_rank_engine
 from meshserve.engine.offline import generate
 from meshserve.layers import kv_quant
 from meshserve.layers.attention import build_attention_metadata, paged_attention
 from meshserve.layers.backend import CpuBackend
 from meshserve.layers.kernels import cpu_attention
+from support.engines import make_engine
 from support.kernel_cases import OUT_TOL, gather, math_attention
 
 native = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernels")
@@ -170,12 +170,6 @@ def test_config_refuses_int8_cache_where_it_is_not_read(tiny_checkpoints, overri
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7], list(range(1000, 1023))]
 NEW_TOKENS = [12, 20, 30, 16]
-
-
-def make_engine(path, *overrides):
-    config = load_config(None, [f"model.path={path}", "model.max_model_len=256", *overrides])
-    info = check_config(config)
-    return build_single_rank_engine(config, info, plan_memory(config, info), threads=None)
 
 
 @pytest.mark.slow

@@ -1,0 +1,23 @@
+"""A single-rank engine for a checkpoint and config overrides, as the engine-level tests
+build it."""
+
+from __future__ import annotations
+
+import torch
+
+from meshserve.configs import load_config
+from meshserve.configs.memory import plan_memory
+from meshserve.configs.validate import check_config
+from meshserve.engine.bootstrap import build_single_rank_engine
+
+
+def make_engine(path, *overrides):
+    """The engine for `path` with model.max_model_len=256 and `overrides` (KEY=VALUE). With
+    device.compile=true, torch.compile's caches are reset first: each engine's model is a
+    new module whose graphs take a new cache entry, and past dynamo's per-function limit
+    (8) steps would run eagerly without a word, however many tests built engines before."""
+    if "device.compile=true" in overrides:
+        torch._dynamo.reset()
+    config = load_config(None, [f"model.path={path}", "model.max_model_len=256", *overrides])
+    info = check_config(config)
+    return build_single_rank_engine(config, info, plan_memory(config, info), threads=None)
