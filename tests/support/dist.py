@@ -18,7 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, topology, port, args, queue, shm_slot_bytes):
+def _entry(fn, rank, topology, port, args, queue, collected, shm_slot_bytes):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
@@ -29,6 +29,9 @@ def _entry(fn, rank, topology, port, args, queue, shm_slot_bytes):
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        # NOTE: a tensor goes through the queue as a handle to this process's shared memory,
+        # which the parent can open only while this process lives.
+        collected.wait(timeout=60)
         destroy_process_groups()
 
 
@@ -37,9 +40,9 @@ def run_ranks(fn, topology: Topology, *args, timeout: float = 300.0, shm_slot_by
     fn must be importable (a module-level function) and return picklable values.
     `shm_slot_bytes=0` keeps every TP collective on gloo."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, collected = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, topology, port, args, queue, shm_slot_bytes),
+    procs = [ctx.Process(target=_entry, args=(fn, r, topology, port, args, queue, collected, shm_slot_bytes),
                          daemon=True)
              for r in range(topology.world_size)]
     for p in procs:
@@ -52,6 +55,7 @@ def run_ranks(fn, topology: Topology, *args, timeout: float = 300.0, shm_slot_by
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
+        collected.set()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
