@@ -12,6 +12,8 @@ a C++ compiler the torch backend keeps its gather + SDPA path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshserve.layers.kernels.cpu_library import available
@@ -30,6 +32,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.ops.meshserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
+@functools.cache
 def prefill_fits(head_dim: int) -> bool:
     """Whether prefill_attention beats torch's SDPA here: an AVX-512 build and a head size
     of its vector path (16 prompts of 128 tokens, SmolLM2's heads, bf16: 1.5 vs 4.4 ms per
