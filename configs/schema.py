@@ -61,6 +61,10 @@ class DeviceConfig(Section):
     (meshserve's kernels, CUDA only, `pip install 'meshserve[gpu]'`), `cpu` (torch with
     meshserve's C++ decode attention, built on first use); `auto`: triton on CUDA when
     installed, cpu on the CPU when its kernel builds, else torch."""
+    cpu_isa: Literal["auto", "avx512", "avx2", "scalar"] = "auto"
+    """Which build of meshserve's C++ CPU kernels runs (meshserve.configs.cpu_features):
+    `auto`, the fastest this CPU runs; `avx512`, `avx2` or `scalar` to force one (a build the
+    CPU cannot run is a config error)."""
     compile: bool = False
     """Run decode steps through torch.compile (inductor, weights frozen): fuses the small
     ops between matmuls, for one or a few streams on CPU. Compiles at start-up (tens of

@@ -21,6 +21,6 @@ def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan
         torch.set_num_threads(threads)
     tokenizer = Tokenizer(info, config.model.tokenizer)
     runner = ModelRunner(info, memory, Groups.single(), device=config.device.type, show_progress=show_progress,
-                         kernels=config.device.kernels, compile_decode=config.device.compile,
+                         kernels=config.device.kernels, cpu_isa=config.device.cpu_isa, compile_decode=config.device.compile,
                          calibration=calibration_ids(config, info, tokenizer))
     return Engine(LocalExecutor(runner), tokenizer, memory, config.scheduler, info.vocab_size)

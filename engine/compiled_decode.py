@@ -88,6 +88,7 @@ class CompiledDecode:
     def warm_up(self, backend, kv_caches, block_size: int, device) -> None:
         """Compile for one and for several decoding sequences, writing into block 0 of the
         cache (unused at start-up; a sequence writes its slots before reading them)."""
+        log.info("compiling the decode step with torch.compile (inductor; tens of seconds)")
         start = time.perf_counter()
         length = block_size * (WARM_UP_WIDTH - 1) + 1
         for batch in (1, 2):

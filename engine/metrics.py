@@ -208,6 +208,9 @@ def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_fl
     """Measure (or take) the roofline and attach `metrics` to `engine`; returns the roofline."""
     import torch
 
+    if peak_flops is None or memory_bandwidth is None:
+        log.info("measuring the roofline for the MFU/MBU gauges (about a second; server.metrics.peak_flops and "
+                 "memory_bandwidth skip it)")
     roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth)
     metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization, kv_dtype), roofline)
     log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,

@@ -3,22 +3,51 @@ the GGUF file itself) and incremental detokenization."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
+from meshserve.configs.cache import CACHE_ROOT, file_key
 from meshserve.configs.model_info import ModelInfo
+
+
+def load_tokenizer(source: Path, cache_root: Path | None = CACHE_ROOT):
+    """A Hugging Face tokenizer from a directory, or from a GGUF file. transformers converts
+    a GGUF's tokenizer in ~9 s (it parses the file's vocabulary again); the converted
+    tokenizer is saved under `cache_root` (None: not cached) and a later start loads that
+    in under a second."""
+    from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
+
+    if not source.is_file():
+        return AutoTokenizer.from_pretrained(str(source))
+    if cache_root is None:
+        return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    saved = cache_root / "tokenizers" / file_key(source, version("transformers"), version("tokenizers"))
+    if (saved / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except (OSError, ValueError):
+            pass
+    tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    staging = None
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}."))
+        tok.save_pretrained(str(staging))
+        os.replace(staging, saved)  # a complete folder or none
+    except OSError:  # read-only home, or another start renamed its copy first
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return tok
 
 
 class Tokenizer:
     def __init__(self, info: ModelInfo, path: str | None = None):
-        from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
-
-        source = Path(path or info.path)
-        if source.is_file():
-            self._tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-        else:
-            self._tok = AutoTokenizer.from_pretrained(str(source))
+        self._tok = load_tokenizer(Path(path or info.path))
         self._backend = self._tok.backend_tokenizer
         self.eos_token_ids = tuple(info.eos_token_ids) or ((self._tok.eos_token_id,) if self._tok.eos_token_id is not None else ())
 

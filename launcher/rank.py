@@ -66,7 +66,14 @@ def run_rank(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, 
     if config.device.type == "cpu":
         torch.set_num_threads(cpu_threads(config.device.threads, env.local_world_size))
     try:
+        if env.world_size > 1:
+            log.info("rank %d: joining the world of %d ranks (%s; waits for every rank)", env.global_rank,
+                     env.world_size, env.launcher)
+        start = time.perf_counter()
         groups = start_world(config, env, shm_slot_bytes=shm_slot_bytes(config, info))
+        if env.world_size > 1:
+            log.info("rank %d: all %d ranks joined in %.1f s", env.global_rank, env.world_size,
+                     time.perf_counter() - start)
         return run_in_world(config, info, memory, env, mode, groups)
     finally:
         destroy_process_groups()
@@ -82,6 +89,7 @@ def run_in_world(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankE
 
 
 def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
+    log.info("loading the tokenizer")
     tokenizer = Tokenizer(info, config.model.tokenizer)
     mode.prepare(config, tokenizer, info, memory)
     channel = monitor = None
@@ -93,12 +101,14 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
         channel = DriverChannel(host, groups.world_size, secret=config.server.secret)
         monitor = _monitor(config, groups, channel.session, failure, host=socket.gethostbyname(host))
         broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
+    log.info("building the model: %s", _model_line(config, info, groups))
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
-                         layer_counts=stage_layers(config, info), kernels=config.device.kernels,
+                         layer_counts=stage_layers(config, info), kernels=config.device.kernels, cpu_isa=config.device.cpu_isa,
                          compile_decode=config.device.compile, calibration=calibration_ids(config, info, tokenizer))
     if channel is None:
         executor = LocalExecutor(runner, failure)
     else:
+        log.info("waiting for the other %d ranks to load their shards", groups.world_size - 1)
         channel.handshake(config.cluster.handshake_timeout)
         executor = DistributedExecutor(runner, channel, RESULT_TIMEOUT_S, failure)
         _watch(groups, failure, monitor)
@@ -122,8 +132,9 @@ def _follow(config, info, memory, env, groups) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     addresses = broadcast_text(None, src=0).split()
     channel = WorkerChannel(" ".join(addresses[:2]), env.global_rank, secret=config.server.secret)
+    log.info("rank %d: building the model: %s", env.global_rank, _model_line(config, info, groups))
     runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info),
-                         kernels=config.device.kernels, compile_decode=config.device.compile,
+                         kernels=config.device.kernels, cpu_isa=config.device.cpu_isa, compile_decode=config.device.compile,
                          calibration=calibration_ids(config, info))
     channel.handshake(config.cluster.handshake_timeout)
     failure = FailureSignal()
@@ -139,6 +150,14 @@ def _follow(config, info, memory, env, groups) -> None:
     finally:
         monitor.stop()
         channel.close()
+
+
+def _model_line(config: Config, info: ModelInfo, groups: Groups) -> str:
+    """What this rank loads, e.g. `30 layers of 30 (stage 1/1, tp rank 0/1), bfloat16, int4`."""
+    counts = stage_layers(config, info)
+    return (f"{counts[groups.pp.rank]} layers of {info.num_hidden_layers} (stage {groups.pp.rank + 1}/{groups.pp.size}, "
+            f"tp rank {groups.tp.rank}/{groups.tp.size}), {config.torch_dtype_name}, quantization "
+            f"{config.model.quantization}")
 
 
 def _monitor(config: Config, groups: Groups, session: str, failure: FailureSignal, **where) -> HeartbeatMonitor:

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from meshserve.layers import activation, attention, context_attention, kv_quant, norm, rotary
-from meshserve.layers.kernels import cpu_attention, triton_available
+from meshserve.layers.kernels import cpu_attention, cpu_library, triton_available
 from meshserve.parallel import ring_attention
 
 log = logging.getLogger(__name__)
@@ -119,21 +119,23 @@ class CpuBackend(TorchBackend):
     def rms_norm(x, weight, eps: float, residual=None):
         if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
             return norm.rms_norm(x, weight, eps, residual)
-        out, total = torch.ops.meshserve_cpu.rms_norm(x, weight, eps, residual)
+        out, total = cpu_library.ops.rms_norm(x, weight, eps, residual)
         return out if residual is None else (out, total)
 
     @staticmethod
     def silu_and_mul(x):
         if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
             return activation.silu_and_mul(x)
-        return torch.ops.meshserve_cpu.silu_and_mul(x)
+        return cpu_library.ops.silu_and_mul(x)
 
 
-def resolve_backend_name(name: str, device: torch.device | str) -> str:
+def resolve_backend_name(name: str, device: torch.device | str, cpu_isa: str = "auto") -> str:
     """`auto`: triton on CUDA when it is installed, else torch; cpu on the CPU when its
-    C++ kernel builds, else torch."""
+    C++ kernels build (the `cpu_isa` build of them: config device.cpu_isa), else torch."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown kernel backend {name!r} (auto, {', '.join(BACKENDS)})")
+    if torch.device(device).type == "cpu" and (cpu_isa != "auto" or cpu_library.selected_isa is None):
+        cpu_library.select(cpu_isa)  # `auto` keeps a build this process selected already (tests force one)
     if name != "auto":
         return name
     if torch.device(device).type != "cuda":
@@ -145,9 +147,10 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     return "torch"
 
 
-def select_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
-    """The backend for config value `name` (auto | torch | triton | cpu) on `device`."""
-    resolved = resolve_backend_name(name, device)
+def select_backend(name: str = "auto", device: torch.device | str = "cpu", cpu_isa: str = "auto") -> Backend:
+    """The backend for config value `name` (auto | torch | triton | cpu) on `device`, with
+    the `cpu_isa` build (auto | avx512 | avx2 | scalar) of the C++ CPU kernels."""
+    resolved = resolve_backend_name(name, device, cpu_isa)
     if resolved == "torch":
         return TorchBackend()
     if resolved == "cpu":

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from meshserve.layers.kernels import cpu_library
+
 SCALE_BYTES = 4
 """A row's float32 scale, stored after its codes."""
 
@@ -33,7 +35,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_native(x: torch.Tensor) -> torch.Tensor:
     """quantize in one C++ pass (cpu_quantize_rows.cpp); needs cpu_library.available()."""
-    return torch.ops.meshserve_cpu.quantize_kv_int8(x)
+    return cpu_library.ops.quantize_kv_int8(x)
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

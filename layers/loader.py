@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 
 import torch
@@ -13,6 +14,8 @@ from meshserve.layers.embedding import ParallelLMHead
 from meshserve.layers.llama import LlamaForCausalLM
 from meshserve.layers.smoothquant import smooth
 from meshserve.layers.weights import iter_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool = False) -> None:
@@ -55,7 +58,11 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
     if quantization == "w8a8":
         if not calibration:
             raise ValueError("model.quantization=w8a8 calibrates on a prefill: pass calibration token ids")
-        smooth(model, calibration[:max_position or info.max_position_embeddings], tp)
+        ids = calibration[:max_position or info.max_position_embeddings]
+        log.info("calibrating w8a8 (SmoothQuant) on a prefill of %d tokens", len(ids))
+        smooth(model, ids, tp)
+    if quantization != "none":
+        log.info("quantizing the linear layers (%s)", quantization)
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.pack_weight(head_quantization(quantization), dtype)

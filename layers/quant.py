@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import INT4_GROUP
 from meshserve.layers.kernels import cpu_library
 
@@ -141,6 +142,9 @@ class W8A8Matmul:
     torch ops around the product."""
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
+        if not cpu_features().vnni:
+            raise ValueError(f"w8a8 needs a CPU with VNNI for oneDNN's u8 x s8 product; this one has "
+                             f"{cpu_features().describe()} (config validation refuses it before any rank starts)")
         codes, self.scale = quantize_int8(weight)
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
@@ -149,7 +153,7 @@ class W8A8Matmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return torch.ops.meshserve_cpu.w8a8_linear(x, self.packed, self.scale, self.zero)
+            return cpu_library.ops.w8a8_linear(x, self.packed, self.scale, self.zero)
         codes, x_scale = quantize_rows_u8(x.reshape(-1, self.in_features))
         if torch.compiler.is_compiling():
             y = (w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype) * x_scale).to(x.dtype)

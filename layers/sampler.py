@@ -35,7 +35,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value (the first, on ties). Float32 rows on the CPU
     take one C++ pass (cpu_norm_act.cpp), which ignores NaNs where torch would pick them."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and cpu_library.available():
-        return torch.ops.meshserve_cpu.argmax_rows(x.contiguous())
+        return cpu_library.ops.argmax_rows(x.contiguous())
     return x.argmax(dim=-1)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -50,11 +51,16 @@ GROUPS = {"matmul (linear/mm)": ("aten::linear", "aten::addmm", "aten::mm", "mkl
           "torch.compile guards": ("TorchDynamo Cache Lookup",)}
 
 
+def op_name(key: str) -> str:
+    """The profiler's op name with the C++ kernels' build dropped (meshserve_cpu_avx2::x -> meshserve_cpu::x)."""
+    return re.sub(r"^meshserve_cpu_[a-z0-9]+::", "meshserve_cpu::", key)
+
+
 def op_group_shares(prof) -> dict[str, float]:
     """Each op group's share of the profiled self CPU time."""
     events = prof.key_averages()
     total_us = sum(e.self_cpu_time_total for e in events)
-    return {name: (sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / total_us
+    return {name: (sum(e.self_cpu_time_total for e in events if op_name(e.key).startswith(prefixes)) / total_us
                    if total_us else 0.0) for name, prefixes in GROUPS.items()}
 
 

@@ -2,7 +2,20 @@ from __future__ import annotations
 
 import pytest
 
+from meshserve.layers.kernels import cpu_library
 from support.checkpoints import KINDS, make_checkpoint, save_tokenizer, smollm2_path
+
+
+@pytest.fixture(params=cpu_library.runnable_isas())
+def cpu_isa(request):
+    """Each build of the C++ CPU kernels this CPU runs (avx512, avx2, scalar: on an AVX-512
+    machine all three), selected for the test: a change that breaks the AVX2 or scalar path
+    fails on any machine, not only on one without AVX-512."""
+    before = cpu_library.selected_isa
+    if not cpu_library.select(request.param):
+        pytest.skip("no C++ compiler for the CPU kernels")
+    yield request.param
+    cpu_library.select(before or "auto")
 
 
 @pytest.fixture(scope="session")

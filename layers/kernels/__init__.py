@@ -1,8 +1,9 @@
 """meshserve's kernels. Triton (the `[gpu]` extra): paged decode and prefill attention, both
 returning the log-sum-exp; RMSNorm fused with the residual add; rotary applied in place.
-C++ for the CPU (`cpu_library.py`, built by torch on first use): paged decode attention
-(`cpu_attention.py`), the w8a8 linears' quantize-multiply-rescale, and one-pass RMSNorm and
-silu-and-mul.
+C++ for the CPU (`cpu_library.py`: one build per instruction set, AVX-512, AVX2 or scalar,
+made on the first start of an install): paged decode and causal prefill attention
+(`cpu_attention.py`), the w8a8 linears' quantize-multiply-rescale, the int8 KV cache's
+quantizer, and one-pass RMSNorm, silu-and-mul and argmax.
 
 One file per kernel, each with its Python wrapper; `triton_backend.py` puts them behind the
 `Backend` interface the model uses (meshserve.layers.backend). Nothing imports triton until

@@ -12,10 +12,9 @@ a C++ compiler the torch backend keeps its gather + SDPA path.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from meshserve.layers.kernels import cpu_library
 from meshserve.layers.kernels.cpu_library import available
 
 __all__ = ["available", "paged_decode_attention", "prefill_attention", "prefill_fits"]
@@ -29,15 +28,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q (n, heads, head_dim), one token per sequence; the caches (blocks, block_size,
     kv_heads, head_dim); block_tables (n, width) and seq_lens (n,) int64 -> (n, heads,
     head_dim), softmax over each sequence's first seq_lens cached tokens. Needs available()."""
-    return torch.ops.meshserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return cpu_library.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-@functools.cache
 def prefill_fits(head_dim: int) -> bool:
-    """Whether prefill_attention beats torch's SDPA here: an AVX-512 build and a head size
-    of its vector path (16 prompts of 128 tokens, SmolLM2's heads, bf16: 1.5 vs 4.4 ms per
-    layer; one of 2,048 tokens: 27 vs 36 ms)."""
-    return head_dim in PREFILL_HEAD_DIMS and torch.backends.cpu.get_cpu_capability() == "AVX512" and available()
+    """Whether prefill_attention beats torch's SDPA here: the AVX-512 build selected and a
+    head size of its vector path (16 prompts of 128 tokens, SmolLM2's heads, bf16: 1.5 vs
+    4.4 ms per layer; one of 2,048 tokens: 27 vs 36 ms)."""
+    return head_dim in PREFILL_HEAD_DIMS and available() and cpu_library.selected_isa == "avx512"
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: torch.Tensor,
@@ -46,4 +44,4 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks:
     a step; chunks (n, 2) int64, each chunk's first row and length -> (tokens, heads,
     head_dim) where each chunk's rows hold causal softmax attention over the chunk's own
     keys (other rows are left unset). Needs available()."""
-    return torch.ops.meshserve_cpu.prefill_attention(q, k, v, chunks, scale)
+    return cpu_library.ops.prefill_attention(q, k, v, chunks, scale)

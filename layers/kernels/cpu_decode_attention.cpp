@@ -338,9 +338,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-TORCH_LIBRARY(meshserve_cpu, m) {
+TORCH_LIBRARY(MESHSERVE_NS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,64 +1,186 @@
-"""meshserve's C++ kernels for the CPU, built with torch's extension builder the first
-time a process needs them and cached on disk by torch: the paged decode attention
-(cpu_decode_attention.cpp) and the causal attention of a prompt's first chunk
-(cpu_prefill_attention.cpp), both wrapped by cpu_attention.py, the w8a8 linears' row
-quantization and the int8 KV cache's (cpu_quantize_rows.cpp, used by meshserve.layers.quant
-and meshserve.layers.kv_quant), and RMSNorm,
-silu-and-mul (for the cpu backend's eager steps) and greedy sampling's argmax in one pass
-each (cpu_norm_act.cpp).
+"""meshserve's C++ kernels for the CPU: the paged decode attention (cpu_decode_attention.cpp)
+and the causal attention of a prompt's first chunk (cpu_prefill_attention.cpp), both wrapped
+by cpu_attention.py, the w8a8 linears' row quantization and the int8 KV cache's
+(cpu_quantize_rows.cpp, used by meshserve.layers.quant and meshserve.layers.kv_quant), and
+RMSNorm, silu-and-mul (for the cpu backend's eager steps) and greedy sampling's argmax in one
+pass each (cpu_norm_act.cpp).
 
-`available()` builds (or loads) the library once and says whether it worked: without a C++
-compiler the callers keep their torch-op paths.
+**One build per instruction set** (meshserve.configs.cpu_features.ISAS): `avx512`, `avx2`,
+`scalar`. Each registers its ops under its own namespace (`torch.ops.meshserve_cpu_avx2`,
+...), so several load side by side in one process and the tests run every build this CPU
+can execute against the same references. `select(isa)` picks the build the model's ops
+call (`ops`); `auto` is the fastest this CPU runs (config device.cpu_isa).
+
+**Built once per install.** Each build goes into a folder of its own under
+~/.cache/meshserve/kernels, named by a hash of the sources' path and text, the compiler
+flags, and the torch and Python builds: two installs never share (and so never rebuild)
+one folder, and a second start loads the library without calling the compiler. Builders
+of one folder take an flock (released by the kernel when a builder dies); a torch build
+lock found while holding it was left by an interrupted build, and is removed with a
+warning instead of waiting on it for ever.
+
+`available()` builds (or loads) the selected library once and says whether it worked:
+without a C++ compiler the callers keep their torch-op paths.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import logging
+import platform
+import sys
+import time
 from pathlib import Path
 
 import torch
 
+from meshserve.configs.cache import CACHE_ROOT
+from meshserve.configs.cpu_features import ISAS, cpu_features
+
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp",
-                        "cpu_norm_act.cpp")]
+KERNEL_DIR = Path(__file__).resolve().parent
+SOURCE_NAMES = ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp")
+HEADER_NAMES = ("cpu_vec.h",)
+SOURCES = [KERNEL_DIR / name for name in SOURCE_NAMES]
 
-ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+ISA_CFLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
 }
-"""Compiler flags per instruction set torch detected on this CPU; the library's name
-carries the set, so a cache shared by different machines never loads a wrong build."""
+"""Compiler flags per build; `scalar` is the x86-64 baseline (SSE2), for any CPU."""
+
+# NOTE: -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run on one
+# thread. The OpenMP runtime is torch's own, already loaded (nothing more is linked).
+# -fvisibility=hidden: every build defines the same inline helpers; hidden, each library
+# binds its own and never another build's (an AVX-512 helper in an AVX2 library would fault).
+COMMON_CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
+
+KERNEL_CACHE = CACHE_ROOT / "kernels"
+
+ops = None
+"""The selected build's op namespace (torch.ops.meshserve_cpu_<isa>), None until select()."""
+selected_isa: str | None = None
+
+
+def namespace(isa: str) -> str:
+    return f"meshserve_cpu_{isa}"
+
+
+def cflags(isa: str) -> list[str]:
+    return [*COMMON_CFLAGS, *ISA_CFLAGS[isa], f"-DMESHSERVE_NS={namespace(isa)}"]
+
+
+def build_key(isa: str, source_dir: Path = KERNEL_DIR) -> str:
+    """What the built library depends on: where the sources are (the install) and what they
+    say, the flags, and the torch and Python builds."""
+    h = hashlib.sha256()
+    for part in (str(source_dir), " ".join(cflags(isa)), torch.__version__, str(torch.version.git_version),
+                 sys.version, platform.machine()):
+        h.update(part.encode() + b"\0")
+    for name in (*SOURCE_NAMES, *HEADER_NAMES):
+        h.update(name.encode() + b"\0" + (source_dir / name).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_directory(isa: str, root: Path = KERNEL_CACHE) -> Path:
+    return root / f"{isa}-torch{torch.__version__.replace('+', '_')}-{build_key(isa)}"
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Exclusive use of a build folder. While it is held no other meshserve process builds
+    there, so a torch `lock` file inside was left by an interrupted build: removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".flock"), "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is building meshserve's C++ kernels in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing a stale build lock %s (left by a build that was interrupted)", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+BUILT_STAMP = "built"
+"""Written next to the library once a build finished and loaded: a later start loads the
+library directly, without asking the compiler whether it is up to date."""
+
+
+def _build_or_load(isa: str, root: Path) -> None:
+    from torch.utils import cpp_extension
+
+    directory = build_directory(isa, root)
+    name = namespace(isa)
+    library = directory / f"{name}.so"
+    if (directory / BUILT_STAMP).exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return
+    with build_lock(directory):
+        if (directory / BUILT_STAMP).exists() and library.exists():  # another process built it meanwhile
+            torch.ops.load_library(str(library))
+            return
+        log.info("building meshserve's C++ CPU kernels (%s build; first start of this install only, about a "
+                 "minute on 2 cores) in %s", isa, directory)
+        start = time.perf_counter()
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags(isa),
+                           build_directory=str(directory), is_python_module=False)
+        (directory / BUILT_STAMP).write_text(f"{time.perf_counter() - start:.1f} s\n")
+        log.info("built meshserve's C++ CPU kernels (%s) in %.1f s", isa, time.perf_counter() - start)
 
 
 @functools.cache
-def available() -> bool:
-    """Builds and loads the kernel library (once per process); False if that fails."""
-    from torch.utils import cpp_extension
-
-    capability = torch.backends.cpu.get_cpu_capability()
-    # NOTE: -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run on one
-    # thread. The OpenMP runtime is torch's own, already loaded (nothing more is linked).
+def library(isa: str, root: Path = KERNEL_CACHE):
+    """The ops of the `isa` build (built or loaded once per process), or None when it cannot
+    be built here (no C++ compiler). Raises for a build this CPU cannot run."""
+    features = cpu_features()
+    if isa not in ISAS:
+        raise ValueError(f"unknown CPU kernel build {isa!r} ({', '.join(ISAS)})")
+    if not features.runs(isa):
+        raise ValueError(f"this CPU ({features.describe()}) cannot run the {isa} build of meshserve's C++ kernels "
+                         f"(it runs {', '.join(features.runnable_isas)})")
     try:
-        cpp_extension.load(name=f"meshserve_cpu_kernels_{capability.lower()}", sources=[str(s) for s in SOURCES],
-                           extra_cflags=["-O3", "-ffast-math", "-fopenmp", *ISA_FLAGS.get(capability, [])],
-                           is_python_module=False)
+        _build_or_load(isa, root)
     except (OSError, RuntimeError) as e:
         log.warning("could not build meshserve's C++ CPU kernels (%s); decode attention gathers the cache and "
                     "calls SDPA instead, and w8a8 quantizes its inputs in torch ops", e)
-        return False
-    torch.library.register_fake("meshserve_cpu::paged_decode_attention")(_paged_decode_attention_shape)
-    torch.library.register_fake("meshserve_cpu::prefill_attention")(_prefill_attention_shape)
-    torch.library.register_fake("meshserve_cpu::quantize_rows_u8")(_quantize_rows_u8_shape)
-    torch.library.register_fake("meshserve_cpu::scale_rows_")(_scale_rows_shape)
-    torch.library.register_fake("meshserve_cpu::w8a8_linear")(_w8a8_linear_shape)
-    torch.library.register_fake("meshserve_cpu::quantize_kv_int8")(_quantize_kv_int8_shape)
-    torch.library.register_fake("meshserve_cpu::rms_norm")(_rms_norm_shape)
-    torch.library.register_fake("meshserve_cpu::silu_and_mul")(_silu_and_mul_shape)
-    torch.library.register_fake("meshserve_cpu::argmax_rows")(_argmax_rows_shape)
-    return True
+        return None
+    ns = namespace(isa)
+    for op, shape in SHAPES.items():
+        torch.library.register_fake(f"{ns}::{op}")(shape)
+    return getattr(torch.ops, ns)
+
+
+def select(isa: str = "auto") -> bool:
+    """Make the `isa` build (`auto`: the fastest this CPU runs) the one `ops` calls; False
+    (and `ops` None) when it cannot be built here."""
+    global ops, selected_isa
+    resolved = cpu_features().best_isa if isa == "auto" else isa
+    ops, selected_isa = library(resolved), resolved
+    return ops is not None
+
+
+def available() -> bool:
+    """Whether the selected build (the fastest this CPU runs, unless select() chose another)
+    loaded."""
+    if selected_isa is None:
+        select()
+    return ops is not None
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The builds this CPU runs, fastest first (what the tests run the kernels in)."""
+    return cpu_features().runnable_isas
 
 
 def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, seq_lens, scale):
@@ -95,3 +217,10 @@ def _silu_and_mul_shape(x):
 
 def _argmax_rows_shape(x):
     return x.new_empty(x.shape[0], dtype=torch.long)
+
+
+SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
+          "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
+          "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
+          "rms_norm": _rms_norm_shape, "silu_and_mul": _silu_and_mul_shape, "argmax_rows": _argmax_rows_shape}
+"""Each op's shape function, for torch.compile."""

@@ -126,8 +126,10 @@ void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t half, scalar
   }
 #endif
   for (; c < half; ++c) {
+    // NOTE: exp's argument capped below float's overflow: under -ffast-math the division by
+    // 1 + inf may come out as inf * 0 = NaN (it did, at g = -90, in the AVX2 build).
     const float g = static_cast<float>(gate[c]);
-    out[c] = static_cast<scalar_t>(g / (1.f + std::exp(-g)) * static_cast<float>(up[c]));
+    out[c] = static_cast<scalar_t>(g / (1.f + std::exp(std::min(-g, 88.f))) * static_cast<float>(up[c]));
   }
 }
 
@@ -190,13 +192,13 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);

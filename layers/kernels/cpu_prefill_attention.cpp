@@ -208,8 +208,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor chunks, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

@@ -158,14 +158,14 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("quantize_rows_u8(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows_(Tensor(a!) y, Tensor scales) -> Tensor(a!)");
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor w_zero) -> Tensor");
   m.def("quantize_kv_int8(Tensor x) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
   m.impl("quantize_rows_u8", &quantize_rows_u8);
   m.impl("scale_rows_", &scale_rows_);
   m.impl("w8a8_linear", &w8a8_linear);
@@ -173,4 +173,4 @@ TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
 }
 
 // The packed weight is a oneDNN (MkldnnCPU) tensor, whose dispatch key wins over x's CPU one.
-TORCH_LIBRARY_IMPL(meshserve_cpu, MkldnnCPU, m) { m.impl("w8a8_linear", &w8a8_linear); }
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, MkldnnCPU, m) { m.impl("w8a8_linear", &w8a8_linear); }

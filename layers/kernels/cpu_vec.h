@@ -4,6 +4,12 @@
 // tail and for builds without AVX-512.
 #pragma once
 
+// The op namespace of this build (cpu_library.py passes -DMESHSERVE_NS=meshserve_cpu_<isa>),
+// so that builds for different instruction sets load side by side in one process.
+#ifndef MESHSERVE_NS
+#define MESHSERVE_NS meshserve_cpu
+#endif
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshserve.parallel.topology import Topology
+from support.cpu import needs_vnni
 from support.dist import run_ranks
 from support.reference import meshserve_logits
 
@@ -36,6 +37,7 @@ def tp_w8a8_logits(groups, path, calibration):
     return meshserve_logits(path, PROMPTS, tp=groups.tp, block_size=8, quantization="w8a8", calibration=calibration)
 
 
+@needs_vnni
 def test_tp_w8a8_logits_as_close_to_unquantized_as_single_rank(tiny_checkpoints):
     """w8a8 at tp = 2 is as close to the unquantized model as on one rank. Not closer to the
     one-rank w8a8 than that: o_proj's and down_proj's input rows are split over the ranks

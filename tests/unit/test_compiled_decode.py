@@ -10,6 +10,7 @@ from meshserve.comm.messages import SamplingParams
 from meshserve.configs import ConfigError, load_config
 from meshserve.configs.validate import check_config
 from meshserve.engine.offline import generate
+from support.cpu import needs_vnni
 from support.engines import make_engine
 from support.reference import hf_greedy, hf_model
 
@@ -36,7 +37,7 @@ def test_compiled_decode_matches_transformers_alone_and_batched(tiny_checkpoints
     assert compiled.eager_steps == 0
 
 
-@pytest.mark.parametrize("quantization", ["int4", "w8a8"])
+@pytest.mark.parametrize("quantization", ["int4", pytest.param("w8a8", marks=needs_vnni)])
 def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, quantization):
     path = tiny_checkpoints["llama-untied"]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in NEW_TOKENS]

@@ -21,7 +21,8 @@ from meshserve.layers.backend import CpuBackend
 from meshserve.layers.kernels import cpu_attention
 from support.kernel_cases import math_attention
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel")
+pytestmark = [pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel"),
+              pytest.mark.usefixtures("cpu_isa")]
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -157,7 +158,6 @@ def test_prefill_kernel_refuses_chunks_outside_the_batch():
         cpu_attention.prefill_attention(q, k, v, torch.tensor([0, 6]), 0.125)
 
 
-@pytest.mark.skipif(not cpu_attention.prefill_fits(64), reason="no AVX-512 build of the prefill kernel")
 def test_a_step_with_fresh_and_prefixed_chunks_and_a_decode_matches_the_torch_backend():
     """Sequence A prefills 40 tokens, B 30; then A takes a 20-token chunk after its cached
     prefix (SDPA), C prefills 50 fresh (the kernel) and B decodes (the decode kernel)."""

@@ -15,7 +15,8 @@ from meshserve.layers.kernels import cpu_library
 from meshserve.layers.norm import rms_norm
 from meshserve.layers.sampler import argmax
 
-pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="no C++ compiler for the CPU kernels")
+pytestmark = [pytest.mark.skipif(not cpu_library.available(), reason="no C++ compiler for the CPU kernels"),
+              pytest.mark.usefixtures("cpu_isa")]
 
 # one unit in the last place of the output dtype, at the values' scale (~1-4 here)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -63,11 +64,11 @@ def test_the_backend_keeps_torch_ops_inside_compile_and_for_odd_layouts():
 
 def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match="one weight per column"):
-        torch.ops.meshserve_cpu.rms_norm(torch.randn(4, 64), torch.ones(32), 1e-5, None)
+        cpu_library.ops.rms_norm(torch.randn(4, 64), torch.ones(32), 1e-5, None)
     with pytest.raises(RuntimeError, match="the residual must be contiguous and of x's shape and dtype"):
-        torch.ops.meshserve_cpu.rms_norm(torch.randn(4, 64), torch.ones(64), 1e-5, torch.randn(4, 64).double())
+        cpu_library.ops.rms_norm(torch.randn(4, 64), torch.ones(64), 1e-5, torch.randn(4, 64).double())
     with pytest.raises(RuntimeError, match=r"silu_and_mul takes contiguous \(rows, 2n\)"):
-        torch.ops.meshserve_cpu.silu_and_mul(torch.randn(4, 7))
+        cpu_library.ops.silu_and_mul(torch.randn(4, 7))
 
 
 @pytest.mark.parametrize("rows,n", [(32, 49152), (3, 7), (5, 16), (4, 33), (1, 1)])

@@ -42,7 +42,7 @@ def test_rows_round_trip_within_half_a_code(dtype):
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(5, 3, 64), (1, 1, 128), (33, 2, 24), (4, 16, 8, 64)])
-def test_cpp_quantizer_matches_torch(dtype, shape):
+def test_cpp_quantizer_matches_torch(dtype, shape, cpu_isa):
     x = torch.randn(shape).to(dtype)
     got, want = kv_quant.quantize_native(x), kv_quant.quantize(x)
     assert got.shape == want.shape and got.dtype == torch.int8
@@ -67,7 +67,8 @@ def random_int8_case(n, heads, kv_heads, head_dim, block_size, lens, dtype, seed
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 24)])
 @pytest.mark.parametrize("n,block_size,lens", [(1, 16, [1]), (3, 16, [16, 33, 200]), (2, 32, [5, 70]),
                                                (12, 8, [1, 2, 7, 8, 9, 15, 16, 17, 40, 63, 64, 100])])
-def test_decode_kernel_over_int8_matches_the_dequantized_cache(dtype, heads, kv_heads, head_dim, n, block_size, lens):
+def test_decode_kernel_over_int8_matches_the_dequantized_cache(dtype, heads, kv_heads, head_dim, n, block_size, lens,
+                                                               cpu_isa):
     q, k8, v8, tables, lens_t = random_int8_case(n, heads, kv_heads, head_dim, block_size, lens, dtype)
     scale = head_dim ** -0.5
     got = cpu_attention.paged_decode_attention(q, k8, v8, tables, lens_t, scale)

@@ -15,6 +15,7 @@ import torch
 from gguf.quants import dequantize
 
 from meshserve.configs import ConfigError, load_config
+from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
 from meshserve.layers.quant import (Int4Matmul, Int8DynamicMatmul, Int8Matmul, dequantize_int4, quantize_int4,
@@ -144,7 +145,7 @@ def test_smollm2_int4_and_w8a8_perplexity_and_greedy_stay_close(smollm2):
 
     text = (Path(__file__).parents[2] / "scripts" / "data" / "perplexity.txt").read_text()
     results = {}
-    for quantization in ("none", "int4", "w8a8"):
+    for quantization in ("none", "int4", "w8a8") if cpu_features().vnni else ("none", "int4"):
         config = load_config(None, ["model.dtype=bfloat16", f"model.quantization={quantization}",
                                     "model.max_model_len=512", "cache.memory=64MiB"])
         info = check_config(config)
@@ -186,6 +187,10 @@ def test_quantization_config_errors(tiny_checkpoints):
 def test_cpu_quantized_example_configs_validate(name, quantization):
     path = Path(__file__).resolve().parents[2] / "configs" / name
     config = load_config(path)
+    if quantization == "w8a8" and not cpu_features().vnni:
+        with pytest.raises(ConfigError, match="w8a8 multiplies through oneDNN's u8 x s8 kernel, which needs VNNI"):
+            check_config(config, path.name)
+        return
     info = check_config(config, path.name)
     assert (config.model.quantization, config.device.compile, config.torch_dtype_name) == (quantization, True, "bfloat16")
     assert plan_memory(config, info).quantization == quantization

@@ -11,8 +11,9 @@ import torch
 
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs import ConfigError, load_config
+from meshserve.configs.cpu_features import cpu_features, parse_cpuinfo
 from meshserve.configs.model_info import read_model_info
-from meshserve.configs.validate import check_config
+from meshserve.configs.validate import check_config, quantization_problems
 from meshserve.engine.calibration import calibration_ids
 from meshserve.layers.attention import build_attention_metadata
 from meshserve.layers.kernels import cpu_library
@@ -20,6 +21,7 @@ from meshserve.layers.llama import LlamaForCausalLM
 from meshserve.layers.loader import load_weights
 from meshserve.layers.quant import U8_ZERO, W8A8Matmul, quantize_int8, quantize_rows_u8
 from meshserve.layers.smoothquant import smooth
+from support.cpu import needs_vnni
 from support.reference import meshserve_logits
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7]]
@@ -37,11 +39,11 @@ def rows_with_outliers(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,cols", [(1, 7), (37, 100), (64, 1536)])
-def test_native_row_quantization_matches_torch_ops(dtype, rows, cols):
+def test_native_row_quantization_matches_torch_ops(dtype, rows, cols, cpu_isa):
     torch.manual_seed(0)
     wide = rows_with_outliers(rows, cols + 5, dtype)
     x = wide[:, :cols]  # rows with a stride wider than they are
-    codes, scales = torch.ops.meshserve_cpu.quantize_rows_u8(x)
+    codes, scales = cpu_library.ops.quantize_rows_u8(x)
     want_codes, want_scales = quantize_rows_u8(x)
     assert codes.dtype == torch.uint8 and scales.dtype == torch.float32 and scales.shape == (rows, 1)
     torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
@@ -57,16 +59,16 @@ def test_native_row_quantization_matches_torch_ops(dtype, rows, cols):
 
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_native_row_rescale_matches_torch_ops(dtype):
+def test_native_row_rescale_matches_torch_ops(dtype, cpu_isa):
     torch.manual_seed(0)
     y = torch.randn(70, 3000).to(dtype)
     scales = torch.rand(70, 1) * 4
     want = (y.float() * scales).to(dtype)
-    got = torch.ops.meshserve_cpu.scale_rows_(y, scales)
+    got = cpu_library.ops.scale_rows_(y, scales)
     assert got.data_ptr() == y.data_ptr()
     assert torch.equal(y, want)  # one product and one rounding per element: no reduction
     with pytest.raises(RuntimeError, match="one float32 scale per row: 70 rows, 69 scales"):
-        torch.ops.meshserve_cpu.scale_rows_(y, scales[:69])
+        cpu_library.ops.scale_rows_(y, scales[:69])
 
 
 def _paths(w: torch.Tensor, dtype: torch.dtype) -> dict[str, W8A8Matmul]:
@@ -77,6 +79,7 @@ def _paths(w: torch.Tensor, dtype: torch.dtype) -> dict[str, W8A8Matmul]:
     return paths
 
 
+@needs_vnni
 @pytest.mark.parametrize("rows", [1, 3, 32, 100])
 def test_w8a8_matmul_matches_the_math_on_quantized_inputs(rows):
     """Against float64 math on the same integers and scales (the output's rounding apart),
@@ -96,6 +99,7 @@ def test_w8a8_matmul_matches_the_math_on_quantized_inputs(rows):
         assert (got.double() - exact).norm() / exact.norm() < 8e-2, name
 
 
+@needs_vnni
 def test_w8a8_matmul_compiled_matches_eager():
     torch.manual_seed(0)
     w = torch.randn(256, 192) * 0.05
@@ -153,6 +157,7 @@ class FakeW8A8:
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
+@needs_vnni
 def test_w8a8_model_matches_the_same_math_in_float(tiny_checkpoints):
     """build_model's w8a8 (smoothing, then every linear and the head on 8-bit inputs)
     against the unpacked model smoothed on the same ids with every multiply done in
@@ -174,6 +179,7 @@ def test_w8a8_model_matches_the_same_math_in_float(tiny_checkpoints):
         meshserve_logits(path, PROMPTS, quantization="w8a8")
 
 
+@needs_vnni
 def test_w8a8_config_errors_and_calibration(tiny_checkpoints):
     path = str(tiny_checkpoints["llama"])
     for name in ("parallel.pipeline", "parallel.context"):
@@ -185,3 +191,23 @@ def test_w8a8_config_errors_and_calibration(tiny_checkpoints):
     ids = calibration_ids(config, info)
     assert len(ids) > 300 and all(0 <= i < info.vocab_size for i in ids)
     assert calibration_ids(load_config(None, [f"model.path={path}", "model.quantization=int8"]), info) is None
+
+
+AVX2_ONLY = parse_cpuinfo("flags\t\t: fpu sse sse2 avx fma f16c avx2\n")
+AVX512_VNNI = parse_cpuinfo("flags\t\t: sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni\n")
+
+
+def test_w8a8_is_refused_without_vnni(tiny_checkpoints):
+    """On a CPU without VNNI oneDNN's u8 x s8 product saturates its 16-bit pair sums (and
+    crawls): refused before any rank starts, naming the feature, and by the layer itself."""
+    config = load_config(None, [f"model.path={tiny_checkpoints['llama']}", "model.quantization=w8a8"])
+    info = read_model_info(str(tiny_checkpoints["llama"]))
+    problems = quantization_problems(config, info, AVX2_ONLY)
+    assert len(problems) == 1 and "needs VNNI" in problems[0] and "no VNNI" in problems[0]
+    assert "model.quantization=int8" in problems[0]
+    assert quantization_problems(config, info, AVX512_VNNI) == []
+    if not cpu_features().vnni:
+        with pytest.raises(ConfigError, match="needs VNNI"):
+            check_config(config)
+        with pytest.raises(ValueError, match="w8a8 needs a CPU with VNNI"):
+            W8A8Matmul(torch.randn(32, 64), torch.bfloat16)
