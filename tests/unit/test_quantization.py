@@ -135,10 +135,10 @@ def test_smollm2_int4_and_w8a8_perplexity_and_greedy_stay_close(smollm2):
     scripts/data/perplexity.txt within 2% for int4 and 3% for w8a8 (measured: int4 +0.6%;
     w8a8 +1.3% to +2.7%, as its calibration prefill and the bf16 reference each move by
     up to 0.7% when attention rounds differently; unsmoothed it was +5%), and the first
-    greedy tokens the same up to a near-tie: where they first part, the unquantized model's
-    token is the quantized model's runner-up by at most a bf16 rounding step of the logits
-    (here "The" and token 60 tie at 25.375 under int4 when attention rounds a little
-    differently)."""
+    greedy tokens the same up to a near-tie: where they first part, one model's token is the
+    other's runner-up by at most a bf16 rounding step of the logits (here "The" and token 60
+    tie at 25.375 under int4 when attention rounds a little differently, and in the
+    unquantized bf16 run on an AVX2 machine)."""
     from meshserve.engine.bootstrap import build_single_rank_engine
     from meshserve.comm.messages import SamplingParams
     from meshserve.engine.offline import generate
@@ -160,14 +160,21 @@ def test_smollm2_int4_and_w8a8_perplexity_and_greedy_stay_close(smollm2):
         chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
         out = generate(engine, [chat], SamplingParams(max_tokens=8, temperature=0, logprobs=5))[0]
         results[quantization] = (ppl, out.token_ids, out.logprobs)
-    ppl_ref, tokens_ref, _ = results.pop("none")
+    ppl_ref, tokens_ref, logprobs_ref = results.pop("none")
     for quantization, (ppl_q, tokens_q, logprobs_q) in results.items():
         assert abs(ppl_q / ppl_ref - 1) < {"int4": 0.02, "w8a8": 0.03}[quantization], (quantization, ppl_ref, ppl_q)
         for i, (ours, ref) in enumerate(zip(tokens_q[:4], tokens_ref[:4])):
             if ours != ref:
-                alternatives = dict(logprobs_q[i].top)
-                assert ref in alternatives and logprobs_q[i].logprob - alternatives[ref] <= 0.15, (quantization, i)
+                assert near_tie(logprobs_q[i], ref) or near_tie(logprobs_ref[i], ours), (quantization, i)
                 break
+
+
+def near_tie(chosen, other: int, within: float = 0.15) -> bool:
+    """Whether token `other` is the runner-up of a step's `chosen` token by at most `within`
+    (a bf16 rounding step of logits ~25). On an AVX2 machine the unquantized bf16 run itself
+    ties "The" and token 60 at -1.907, where float32 and int4 take "The"."""
+    alternatives = dict(chosen.top)
+    return other in alternatives and chosen.logprob - alternatives[other] <= within
 
 
 def test_quantization_config_errors(tiny_checkpoints):
