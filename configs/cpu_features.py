@@ -10,6 +10,7 @@ correctly is refused with the feature it lacks instead of serving wrong answers.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,3 +92,10 @@ def cpu_features() -> CpuFeatures:
         return parse_cpuinfo(CPUINFO.read_text())
     except OSError:
         return CpuFeatures(frozenset(), known=False)
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask, as a launcher set it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))

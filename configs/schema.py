@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, StrictInt, StrictStr,
+                      field_validator, model_validator)
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 
@@ -55,7 +55,12 @@ class ParallelConfig(Section):
 class DeviceConfig(Section):
     type: Literal["cpu", "cuda"] = "cpu"
     threads: PositiveInt | None = None
-    """Intra-op threads per rank on CPU; by default cores / local ranks."""
+    """Intra-op threads per rank on CPU; by default (and OMP_NUM_THREADS, if set) the rank's
+    cores, capped so that a node's ranks never run more threads than it has cores."""
+    cpu_bind: Literal["auto", "none"] | list[StrictStr | StrictInt] = "auto"
+    """Cores of each local rank (meshserve.configs.cpu_bind): `auto` splits the launcher's
+    cores evenly over the node's ranks; `none` leaves placement to the OS; or one CPU list
+    per local rank, e.g. ["0-3", "4-7"]."""
     kernels: Literal["auto", "torch", "triton", "cpu"] = "auto"
     """What computes attention, RMSNorm and rotary: `torch` (the reference), `triton`
     (meshserve's kernels, CUDA only, `pip install 'meshserve[gpu]'`), `cpu` (torch with

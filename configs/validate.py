@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from meshserve.configs.cpu_features import CpuFeatures, cpu_features
+from meshserve.configs.cpu_bind import cpu_bind_problems
+from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.schema import Config
@@ -170,6 +171,8 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
     if config.device.type == "cpu" and config.model.dtype == "float16":
         problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
     problems += kernel_problems(config)
+    if config.device.type == "cpu":
+        problems += cpu_bind_problems(config.device.cpu_bind, config.ranks_per_node, usable_cores())
     problems += quantization_problems(config, info)
     problems += kv_cache_problems(config)
     if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):

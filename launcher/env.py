@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from meshserve.configs.schema import ClusterConfig, Config
+from meshserve.configs.cpu_bind import auto_share, parse_cpu_list
+from meshserve.configs.cpu_features import usable_cores
+from meshserve.configs.schema import ClusterConfig, Config, DeviceConfig
 
 
 @dataclass(frozen=True)
@@ -47,16 +49,44 @@ class MpiWorld:
     launcher: str
 
 
-def cpu_threads(configured: int | None, local_world_size: int) -> int:
-    """Intra-op threads per rank: the config's, else OMP_NUM_THREADS if the user set it,
-    else cores / local ranks, so that ranks on one node do not starve each other."""
-    if configured:
-        return configured
-    user = os.environ.get("OMP_NUM_THREADS")
-    if user and user.isdigit() and int(user) > 0:
-        return int(user)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world_size))
+@dataclass(frozen=True)
+class CpuPlacement:
+    """Where a rank's intra-op threads run."""
+
+    threads: int
+    cores: list[int] | None
+    """The rank's cores (to bind to), or None with device.cpu_bind=none."""
+    capped: str | None = None
+    """Why the user's thread count was lowered (for a warning), else None."""
+
+
+def user_threads() -> int | None:
+    """OMP_NUM_THREADS, if the user set it to a number."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def cpu_placement(device: DeviceConfig, local_rank: int, local_world_size: int,
+                  cores: list[int] | None = None) -> CpuPlacement:
+    """This rank's cores (device.cpu_bind, meshserve.configs.cpu_bind) and threads: the
+    config's device.threads, else OMP_NUM_THREADS, else one per core of its share, and never
+    more than its share: the ranks of a node together run at most as many threads as it has
+    cores (one each when there are more ranks than cores)."""
+    available = cores if cores is not None else usable_cores()
+    if device.cpu_bind == "none":
+        mine = None
+    elif device.cpu_bind == "auto":
+        mine = auto_share(available, local_rank, local_world_size)
+    else:
+        mine = parse_cpu_list(device.cpu_bind[local_rank])
+    share = len(mine) if mine is not None else max(1, len(available) // max(1, local_world_size))
+    wanted = device.threads or user_threads()
+    if wanted is None or wanted <= share:
+        return CpuPlacement(wanted or share, mine)
+    source = "device.threads" if device.threads else "OMP_NUM_THREADS"
+    return CpuPlacement(share, mine, f"{source}={wanted} x {local_world_size} local ranks = "
+                                     f"{wanted * local_world_size} threads on {len(available)} cores: capped at "
+                                     f"{share} thread{'s' if share > 1 else ''} per rank")
 
 
 SECRET_VARIABLES = {"secret": "MESHSERVE_SECRET", "api_key": "MESHSERVE_API_KEY"}
@@ -79,9 +109,20 @@ def api_key_from_environ() -> str | None:
     return os.environ.get(SECRET_VARIABLES["api_key"]) or None
 
 
-def set_cpu_threads_for_ranks(threads: int) -> None:
-    """OMP_NUM_THREADS for the ranks this process is about to start."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+def cap_cpu_threads_for_ranks(device: DeviceConfig, local_world_size: int) -> str | None:
+    """Before this process starts a node's ranks: a thread count (device.threads or
+    OMP_NUM_THREADS) that would oversubscribe the cores comes down to each rank's share,
+    in OMP_NUM_THREADS, which the ranks inherit. Returns why, for a warning, or None."""
+    placement = cpu_placement(device, 0, local_world_size)
+    if placement.capped is not None:
+        os.environ["OMP_NUM_THREADS"] = str(placement.threads)
+    return placement.capped
+
+
+def bind_to_cores(cores: list[int]) -> None:
+    """Run this process (and the threads it starts from now on) on `cores` only."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
 
 
 def use_network_interface(name: str) -> None:

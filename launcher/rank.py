@@ -16,6 +16,7 @@ import torch
 from meshserve.comm.control import DriverChannel, WorkerChannel, broadcast_text
 from meshserve.comm.failure import FailureSignal
 from meshserve.comm.heartbeat import HeartbeatMonitor
+from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import MemoryPlan, stage_layers
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
@@ -25,7 +26,8 @@ from meshserve.engine.executor import DistributedExecutor, LocalExecutor
 from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.worker import worker_loop
-from meshserve.launcher.env import RankEnv, cpu_threads
+from meshserve.layers.backend import kernel_summary
+from meshserve.launcher.env import CpuPlacement, RankEnv, bind_to_cores, cpu_placement
 from meshserve.launcher.network import interface_address
 from meshserve.launcher.startup import start_world
 from meshserve.parallel.process_groups import destroy_process_groups
@@ -64,7 +66,7 @@ def _device(config: Config, env: RankEnv) -> str:
 def run_rank(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, mode: DriverMode) -> int:
     """Join the launcher's world (checked against the config on every rank), then work."""
     if config.device.type == "cpu":
-        torch.set_num_threads(cpu_threads(config.device.threads, env.local_world_size))
+        place_on_cpu(config, env)
     try:
         if env.world_size > 1:
             log.info("rank %d: joining the world of %d ranks (%s; waits for every rank)", env.global_rank,
@@ -77,6 +79,21 @@ def run_rank(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, 
         return run_in_world(config, info, memory, env, mode, groups)
     finally:
         destroy_process_groups()
+
+
+def place_on_cpu(config: Config, env: RankEnv) -> CpuPlacement:
+    """Bind this rank to its cores and set its intra-op threads (launcher/env.py:
+    cpu_placement), saying so in one line."""
+    placement = cpu_placement(config.device, env.local_rank, env.local_world_size)
+    if placement.capped:
+        log.warning("rank %d: %s", env.global_rank, placement.capped)
+    if placement.cores is not None:
+        bind_to_cores(placement.cores)
+    torch.set_num_threads(placement.threads)
+    where = f"cores {','.join(map(str, placement.cores))}" if placement.cores is not None else "unbound"
+    log.info("rank %d: %d intra-op thread%s, %s (local rank %d of %d)", env.global_rank, placement.threads,
+             "s" if placement.threads > 1 else "", where, env.local_rank, env.local_world_size)
+    return placement
 
 
 def run_in_world(config: Config, info: ModelInfo, memory: MemoryPlan, env: RankEnv, mode: DriverMode,
@@ -105,6 +122,7 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
                          layer_counts=stage_layers(config, info), kernels=config.device.kernels, cpu_isa=config.device.cpu_isa,
                          compile_decode=config.device.compile, calibration=calibration_ids(config, info, tokenizer))
+    _say_kernels(config, env, runner)
     if channel is None:
         executor = LocalExecutor(runner, failure)
     else:
@@ -136,6 +154,7 @@ def _follow(config, info, memory, env, groups) -> None:
     runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info),
                          kernels=config.device.kernels, cpu_isa=config.device.cpu_isa, compile_decode=config.device.compile,
                          calibration=calibration_ids(config, info))
+    _say_kernels(config, env, runner)
     channel.handshake(config.cluster.handshake_timeout)
     failure = FailureSignal()
     failure.on_failure(_exit_after(0.0))
@@ -150,6 +169,13 @@ def _follow(config, info, memory, env, groups) -> None:
     finally:
         monitor.stop()
         channel.close()
+
+
+def _say_kernels(config: Config, env: RankEnv, runner: ModelRunner) -> None:
+    cpu = f"CPU: {cpu_features().describe()}; " if config.device.type == "cpu" else ""
+    log.info("rank %d: %s%s%s", env.global_rank, cpu,
+             kernel_summary(runner.model.backend, runner.dtype, runner.memory.quantization, runner.info.head_dim,
+                            runner.device), "; decode compiled" if runner.compiled is not None else "")
 
 
 def _model_line(config: Config, info: ModelInfo, groups: Groups) -> str:

@@ -23,7 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.schema import Config
-from meshserve.launcher.env import cpu_threads, set_cpu_threads_for_ranks, use_network_interface
+from meshserve.launcher.env import cap_cpu_threads_for_ranks, use_network_interface
 from meshserve.launcher.network import interface_address
 
 log = logging.getLogger("meshserve")
@@ -80,8 +80,9 @@ def spawn_local_ranks(config: Config, python_args: list[str], shutdown_timeout: 
     launcher's variables); returns the exit code."""
     launch = _launch_config(config, node_rank, shutdown_timeout)
     if config.device.type == "cpu":
-        # Every rank inherits this; intra-op threads per rank = cores / local ranks unless set.
-        set_cpu_threads_for_ranks(cpu_threads(config.device.threads, config.ranks_per_node))
+        capped = cap_cpu_threads_for_ranks(config.device, config.ranks_per_node)
+        if capped:
+            log.warning("%s", capped)
     if config.cluster.interface:
         use_network_interface(config.cluster.interface)
     try:

@@ -162,3 +162,29 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", cpu_i
     from meshserve.layers.kernels.triton_backend import TritonBackend
 
     return TritonBackend()
+
+
+MATMULS = {"int4": "int4 groups (torch's _weight_int4pack_mm), the head int8",
+           "int8": "int8 weights (torch's _weight_int8pack_mm)",
+           "w8a8": "oneDNN u8 x s8 (VNNI) on 8-bit rows"}
+
+
+def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head_dim: int,
+                   device: torch.device | str = "cpu") -> str:
+    """One start-up line: what computes each op of this rank's model, e.g. `matmul: oneDNN
+    packed float32; attention: cpu backend, C++ paged decode (avx2 build), prefill SDPA;
+    norm/act: C++ (avx2 build)`."""
+    name = str(dtype).removeprefix("torch.")
+    if quantization != "none":
+        matmul = MATMULS[quantization]
+    elif torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+        matmul = f"oneDNN packed {name}"
+    else:
+        matmul = f"torch {name}"
+    if isinstance(backend, CpuBackend):
+        build = f"{cpu_library.selected_isa} build"
+        prefill = f"C++ causal ({build})" if cpu_attention.prefill_fits(head_dim) else "SDPA"
+        return (f"matmul: {matmul}; attention: cpu backend, C++ paged decode ({build}), prefill {prefill}; "
+                f"norm/act: C++ ({build}) in eager steps")
+    return f"matmul: {matmul}; attention, norm/act: {backend.name} backend"

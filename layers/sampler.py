@@ -1,10 +1,12 @@
 """Token sampling for a batch of sequences, each with its own parameters.
 
-Greedy rows take the argmax. Random rows sample with the exponential-race trick
-(argmax of p / E, E ~ Exp(1), as gpt-fast's `multinomial_sample_one_no_sync`), so the
-whole batch samples with one argmax and no host sync. A seeded row draws its noise
-from a generator seeded by (seed, sequence length): the same request with the same
-seed samples the same tokens whatever else shares its batch.
+Greedy rows take the argmax. On the CPU, random rows sample in one C++ op
+(cpu_sample.cpp): temperature, top-k and top-p cut without a full sort, then the inverse
+CDF of the kept weights at one uniform number per row. Elsewhere (or without a C++
+compiler) they sample in torch ops with the exponential-race trick (argmax of p / E,
+E ~ Exp(1), as gpt-fast's `multinomial_sample_one_no_sync`), one argmax and no host sync.
+A seeded row draws its randomness from a generator seeded by (seed, sequence length): the
+same request with the same seed samples the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and cpu_library.available():
         return cpu_library.ops.argmax_rows(x.contiguous())
     return x.argmax(dim=-1)
+
+
+def native_sampling(logits: torch.Tensor) -> bool:
+    """Whether `logits` sample in the C++ op: float32 rows on the CPU, the library built."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
+            and cpu_library.available())
 
 
 def _row_seed(seed: int, num_tokens: int) -> int:
@@ -79,6 +87,23 @@ class Sampler:
                     logits[i, banned] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        if native_sampling(logits):
+            return self._sample_native(logits, rows)
+        return self._sample_torch(logits, rows)
+
+    def _sample_native(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        uniform = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                g = torch.Generator().manual_seed(_row_seed(r.params.seed, r.num_tokens))
+                uniform[i] = torch.rand(1, generator=g, dtype=torch.float64)
+        params = [r.params for r in rows]
+        return cpu_library.ops.sample_rows(logits.contiguous(),
+                                           torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                                           torch.tensor([p.top_k for p in params], dtype=torch.long),
+                                           torch.tensor([p.top_p for p in params], dtype=torch.float32), uniform)
+
+    def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
         scaled = logits / temps.unsqueeze(1)
         top_k = [r.params.top_k for r in rows]

@@ -4,6 +4,8 @@ rank and with transformers. Config mistakes fail before any rank starts."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import time
@@ -29,14 +31,24 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, 
              for q in QUESTIONS]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     address = f"tcp://127.0.0.1:{free_port()}"
+    # NOTE: a common setting that, inherited by every rank, once gave tp=3 on 2 cores 6 threads
+    env = os.environ | {"OMP_NUM_THREADS": "2"}
     server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", str(REPO / "configs" / config),
-                               "--set", f"server.zmq={address}", "--set", "model.max_model_len=512"], tmp_path)
+                               "--set", f"server.zmq={address}", "--set", "model.max_model_len=512"], tmp_path, env=env)
     try:
         ref = hf_model(smollm2)
         want = [hf_greedy(ref, p, 16) for p in prompts]
         del ref
         line = server.wait_ready()
         assert f"world_size={world}" in line and address in line
+        log = server.tail(1 << 20)
+        threads = [int(n) for n in re.findall(r"rank \d+: (\d+) intra-op thread", log)]
+        assert len(threads) == world, log[-3000:]
+        cores = len(os.sched_getaffinity(0))
+        assert sum(threads) <= max(cores, world)  # one each when the ranks outnumber the cores
+        assert len(re.findall(r"rank \d+: CPU: .*; matmul: .*; attention: cpu backend", log)) == world
+        if 2 * world > cores:
+            assert f"OMP_NUM_THREADS=2 x {world} local ranks = {2 * world} threads on {cores} cores: capped" in log
         with Client(address, timeout=120) as client:
             got = [client.generate(p, max_tokens=16, temperature=0) for p in prompts]
         for w, g in zip(want, got):

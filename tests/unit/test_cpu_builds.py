@@ -122,3 +122,16 @@ def test_the_cached_gguf_header_and_tokenizer_match_uncached_reads(smollm2, tmp_
     assert (saved.eos_token_id, saved.bos_token_id) == (converted.eos_token_id, converted.bos_token_id)
     ids = converted.encode(text)
     assert saved.decode(ids) == converted.decode(ids)
+
+
+def test_the_start_up_line_names_the_build_and_the_kernels(cpu_isa):
+    import torch
+
+    from meshserve.layers.backend import CpuBackend, TorchBackend, kernel_summary
+
+    line = kernel_summary(CpuBackend(), torch.float32, "none", 64)
+    assert f"C++ paged decode ({cpu_isa} build)" in line and f"norm/act: C++ ({cpu_isa} build)" in line
+    assert ("prefill C++ causal" in line) == (cpu_isa == "avx512")
+    assert line.startswith("matmul: oneDNN packed float32" if torch.backends.mkldnn.is_available() else "matmul: torch")
+    assert kernel_summary(TorchBackend(), torch.bfloat16, "int4", 64) == (
+        "matmul: int4 groups (torch's _weight_int4pack_mm), the head int8; attention, norm/act: torch backend")

@@ -19,6 +19,7 @@ from meshserve.configs.model_info import read_model_info
 from meshserve.engine.output import OutputProcessor, RequestState
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.tokenizer import Tokenizer
+from meshserve.layers import sampler as sampler_module
 from meshserve.layers.sampler import Sampler, SamplingRow, _row_seed
 
 EOS = 2  # <|im_end|> in SmolLM2's vocabulary; the tiny checkpoints' eos_token_id
@@ -384,10 +385,12 @@ def test_seeded_row_ignores_neighbours_and_position():
         assert len(set(got_a)) > 5, "a seeded row should still vary with the sequence length"
 
 
-def test_top_p_1_row_is_unaffected_by_a_top_p_neighbour():
-    # A seeded row with the full vocabulary, built so that the exponential race is won by a
-    # low-probability token: logits = log(noise) + delta, with the largest delta on the token
-    # with the smallest noise. Alone it samples that token; it must do so in any batch.
+def test_top_p_1_row_is_unaffected_by_a_top_p_neighbour(monkeypatch):
+    # The torch path (CUDA, or no C++ compiler): a seeded row with the full vocabulary, built
+    # so that the exponential race is won by a low-probability token: logits = log(noise) +
+    # delta, with the largest delta on the token with the smallest noise. Alone it samples
+    # that token; it must do so in any batch.
+    monkeypatch.setattr(sampler_module, "native_sampling", lambda logits: False)
     vocab, seed, num_tokens = 49152, 7, 30
     g = torch.Generator().manual_seed(_row_seed(seed, num_tokens))
     noise = torch.empty(vocab).exponential_(generator=g)
@@ -442,6 +445,59 @@ def test_unseeded_sampling_follows_the_distribution(params, want):
             assert c == 0, (counts, want)
     # 3 degrees of freedom: P(chi2 > 25) < 2e-5
     assert chi_square(counts, want) < 25, (counts, want)
+
+
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What one row samples from, in float64: softmax(logits / T), cut to the top k (ties
+    kept), then to the tokens whose higher-ranked mass is at most top_p of what is left."""
+    x = logits.double() / temperature
+    if top_k:
+        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
+    probs = x.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) > top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 40, 1.0), (0.8, 20, 0.6),
+                                                     (2.0, 0, 0.5)])
+def test_sampled_distribution_matches_the_reference(cpu_isa, backend, monkeypatch, temperature, top_k, top_p):
+    """4,000 draws of one 2,000-token row against its distribution computed in float64 (a
+    chi-square over the tokens expected 5 times or more, the rest pooled), and no token
+    outside the kept set; -inf logits (banned tokens) are never drawn."""
+    if backend == "torch":
+        monkeypatch.setattr(sampler_module, "native_sampling", lambda logits: False)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(2000, generator=g) * 2.5
+    logits[:5] = float("-inf")
+    want = reference_distribution(logits, temperature, top_k, top_p)
+    n = 4000
+    tokens, _ = sample(logits.expand(n, -1).contiguous(), [row(temperature=temperature, top_k=top_k, top_p=top_p)] * n,
+                       seed=3)
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(logits)).double()
+    assert counts[want == 0].sum() == 0 and counts[:5].sum() == 0
+    expected = want * n
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expect = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expect > 0
+    chi2 = (((observed - expect) ** 2)[keep] / expect[keep]).sum().item()
+    dof = int(keep.sum()) - 1
+    # mean dof, sd sqrt(2 dof): 6 sd above the mean fails with probability < 1e-6
+    assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+def test_native_sampling_handles_the_edges(cpu_isa):
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf")], [5.0, 5.0, 5.0, 5.0], [float("-inf"), 0.0, -1e9, -3.0]])
+    tokens, _ = sample(logits, [row(temperature=0.0), row(top_k=10), row(top_p=1e-6, temperature=50.0)])
+    assert tokens[0] == 2 and tokens[1] in range(4) and tokens[2] == 1
+    # ties at the k-th weight are kept, as the reference keeps them: every tied token is drawn
+    tied = torch.tensor([[3.0, 3.0, 3.0, 1.0]]).expand(600, -1).contiguous()
+    drawn = set(sample(tied, [row(top_k=1)] * 600)[0])
+    assert drawn == {0, 1, 2}
 
 
 def test_unseeded_sampling_uses_the_sampler_generator():
