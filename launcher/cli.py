@@ -103,6 +103,7 @@ def _add_bench_parser(sub) -> None:
 def load(args: argparse.Namespace) -> tuple[Config, ModelInfo, MemoryPlan]:
     source = args.config or "<builtin default>"
     config = secrets_from_environ(load_config(args.config, args.overrides))
+    logging.getLogger("meshserve").info("checking the config against the model (%s)", config.model.path)
     info = check_config(config, source)
     return config, info, plan_memory(config, info, source)
 

@@ -47,10 +47,12 @@ KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", 
 
 
 def serve_command(overrides: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
+    files = [o[1:] for o in overrides if o.startswith("@")]
+    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", *files, "--set", "server.http=127.0.0.1:0",
            "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}"]
     for o in overrides:
-        cmd += ["--config", o[1:]] if o.startswith("@") else ["--set", o]
+        if not o.startswith("@"):
+            cmd += ["--set", o]
     return cmd
 
 
