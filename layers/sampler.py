@@ -65,14 +65,10 @@ class Sampler:
         self._apply_min_tokens(logits, rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
+        if all(r.params.greedy for r in rows):
             tokens = argmax(logits)
         else:
             tokens = self._sample(logits, rows)
-            if any(greedy):
-                mask = torch.tensor(greedy, device=logits.device)
-                tokens = torch.where(mask, argmax(logits), tokens)
         token_list = tokens.tolist()
         if logprobs is None:
             return token_list, None
@@ -104,6 +100,15 @@ class Sampler:
                                            torch.tensor([p.top_p for p in params], dtype=torch.float32), uniform)
 
     def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The torch-op path; its greedy rows take the argmax afterwards (the C++ op takes
+        it itself for temperature 0)."""
+        tokens = self._race(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), argmax(logits), tokens)
+        return tokens
+
+    def _race(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
         scaled = logits / temps.unsqueeze(1)
         top_k = [r.params.top_k for r in rows]
