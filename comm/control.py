@@ -3,16 +3,19 @@
 driver  --PUB  (StepPlan, Shutdown, Hello)-->  SUB   every other rank
 driver  <-PULL (StepResult, Ready)----------   PUSH  every other rank
 
-The driver binds both sockets on ephemeral ports and tells the ranks where they are with
-a tensor broadcast over the world's gloo group (torch.distributed carries tensors only).
-Start-up handshake: the driver publishes Hello until every rank has answered Ready, so
-no SUB socket can miss the first plan (PUB/SUB's slow-joiner problem). High-water marks
-are unlimited: plans are never dropped.
+The driver binds both sockets (comm/endpoints.py: unix sockets in a private directory on
+one node; TCP ephemeral ports, CURVE-encrypted with a secret, across nodes) and tells the
+ranks where they are with a tensor broadcast over the world's gloo group (torch.distributed
+carries tensors only). Start-up handshake: the driver publishes Hello until every rank has
+answered Ready, so no SUB socket can miss the first plan (PUB/SUB's slow-joiner problem).
+High-water marks are unlimited: plans are never dropped.
 
-With a shared secret (server.secret) every frame carries an HMAC tag (comm/auth.py). The
-driver's PULL socket accepts any peer that can reach it: a frame that does not open with
-the secret, or does not decode, is dropped with a (rate-limited) warning and the driver
-goes on. The SUB socket of a rank hears only the driver's PUB.
+With a shared secret (server.secret) every frame also carries an HMAC tag (comm/auth.py).
+Whatever reaches the driver's PULL socket is checked before it counts: a frame that does
+not open with the secret, or does not decode, is dropped with a (rate-limited) warning; so
+is a step result that is not the answer the sampling rank owes to a step in flight
+(comm/step_results.py), and the driver goes on. The SUB socket of a rank hears only the
+driver's PUB.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import logging
 import socket
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -30,8 +32,10 @@ import torch.distributed as dist
 import zmq
 
 from meshserve.comm.auth import DropLog, FrameAuth
+from meshserve.comm.endpoints import Listener, connect
 from meshserve.comm.messages import (ControlMessage, Hello, RankStats, Ready, StepResult, control_decoder,
                                      encoder, rank_decoder)
+from meshserve.comm.step_results import ExpectedResult
 
 ADDRESS_BYTES = 512
 MAX_RANK_FRAME_BYTES = 64 << 20
@@ -71,18 +75,17 @@ def all_gather_text(text: str, group=None) -> list[str]:
     return [bytes(p[p != 0].tolist()).decode() for p in parts]
 
 
-def _bind_ephemeral(sock: zmq.Socket, host: str) -> str:
-    sock.bind(f"tcp://{host}:0")
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
 class DriverChannel:
-    """The driver's end. `host`: the address the other ranks reach the driver at."""
+    """The driver's end: binds on `host` (the address the other ranks reach the driver at)
+    or, with every rank on this node, in `ipc_dir` (a private directory; comm/endpoints.py)."""
 
-    def __init__(self, host: str, world_size: int, secret: str | None = None):
+    def __init__(self, world_size: int, secret: str | None = None, *, host: str | None = None,
+                 ipc_dir: str | None = None):
         self.world_size = world_size
         self.session = uuid.uuid4().hex
         self._ctx = zmq.Context()
+        self._listener = Listener(self._ctx, "control", secret, host=socket.gethostbyname(host) if host else None,
+                                  ipc_dir=ipc_dir)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 0)
         self._pub.setsockopt(zmq.LINGER, 2000)
@@ -90,16 +93,21 @@ class DriverChannel:
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_RANK_FRAME_BYTES)
-        ip = socket.gethostbyname(host)
-        self.addresses = f"{_bind_ephemeral(self._pub, ip)} {_bind_ephemeral(self._pull, ip)}"
-        log.info("control plane at %s (PUB) %s (PULL)%s", *self.addresses.split(),
+        self.addresses = " ".join((self._listener.bind(self._pub, "control-pub"),
+                                   self._listener.bind(self._pull, "control-pull")))
+        log.info("control plane at %s (PUB) %s (PULL): %s%s", *self.addresses.split(), self._listener.security,
                  ", frames authenticated" if secret else "")
         self._auth = FrameAuth(secret, "control")
         self._dropped = DropLog(log)
+        self._misfits = DropLog(log)
+        """Results that fit no step in flight: warned apart, so a flood of garbage does not hide them."""
         self._encoder, self._decoder = encoder(), rank_decoder()
         self.rank_stats: dict[int, RankStats] = {}
         """The latest counters of each other rank."""
-        self._results: deque[StepResult] = deque()
+        self._expected: dict[int, ExpectedResult] = {}
+        """Steps in flight whose result comes from the sampling rank, by step id."""
+        self._results: dict[int, StepResult] = {}
+        """Their results, once taken in (at most one per step in flight)."""
 
     def handshake(self, timeout: float) -> None:
         waiting = set(range(1, self.world_size))
@@ -118,18 +126,25 @@ class DriverChannel:
     def publish(self, msg: ControlMessage) -> None:
         self._pub.send(self._auth.seal(self._encoder.encode(msg)))
 
-    def recv_result(self, timeout: float, check: Callable[[], None] | None = None) -> StepResult:
-        """The next step result; `check()` runs every POLL_SLICE_MS while waiting (it raises
-        to give up, e.g. once a rank is known dead)."""
+    def expect(self, expected: ExpectedResult) -> None:
+        """The sampling rank owes the result of step `expected.step_id`; only a result that
+        fits `expected` is taken in for it."""
+        self._expected[expected.step_id] = expected
+
+    def recv_result(self, step_id: int, timeout: float, check: Callable[[], None] | None = None) -> StepResult:
+        """The result of step `step_id` (announced with `expect`); `check()` runs every
+        POLL_SLICE_MS while waiting (it raises to give up, e.g. once a rank is known dead)."""
+        if step_id not in self._expected and step_id not in self._results:
+            raise ControlPlaneError(f"step {step_id}: no result is expected")
         deadline = time.monotonic() + timeout
-        while not self._results:
+        while step_id not in self._results:
             if check is not None:
                 check()
             if time.monotonic() > deadline:
-                raise ControlPlaneError(f"no step result from the sampling rank within {timeout:.0f} s")
+                raise ControlPlaneError(f"no result for step {step_id} from the sampling rank within {timeout:.0f} s")
             if self._pull.poll(POLL_SLICE_MS):
                 self._take(self._pull.recv())
-        return self._results.popleft()
+        return self._results.pop(step_id)
 
     def drain(self) -> None:
         """Take in whatever the ranks have sent, without waiting (results are kept for
@@ -140,9 +155,19 @@ class DriverChannel:
     def _take(self, frame: bytes) -> None:
         msg = self._decode(frame)
         if isinstance(msg, StepResult):
-            self._results.append(msg)
+            self._take_result(msg)
         elif isinstance(msg, RankStats) and 0 < msg.rank < self.world_size:
             self.rank_stats[msg.rank] = msg
+
+    def _take_result(self, result: StepResult) -> None:
+        expected = self._expected.get(result.step_id)
+        problem = "no result for that step is in flight" if expected is None else expected.problem(result)
+        if problem is not None:
+            self._misfits("dropped a step result for step %d that the sampling rank did not send: %s "
+                          "(a peer without server.secret reached the driver's PULL socket?)", result.step_id, problem)
+            return
+        del self._expected[result.step_id]
+        self._results[result.step_id] = result
 
     def _decode(self, frame: bytes):
         """The message of a frame from a rank, or None (dropped, with a warning) if it does not
@@ -161,6 +186,7 @@ class DriverChannel:
     def close(self) -> None:
         self._pub.close()
         self._pull.close()
+        self._listener.close()
         self._ctx.term()
 
 
@@ -177,10 +203,10 @@ class WorkerChannel:
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.connect(pub_address)
+        connect(self._sub, pub_address, secret, "control")
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 2000)
-        self._push.connect(pull_address)
+        connect(self._push, pull_address, secret, "control")
         self._encoder, self._decoder = encoder(), control_decoder()
 
     def handshake(self, timeout: float) -> None:

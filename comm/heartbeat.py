@@ -9,8 +9,10 @@ which may be stuck in a collective with the dead rank.
 driver:   PUB  --(Heartbeat, Abort)-->  SUB   other ranks
 driver:   PULL <--(Heartbeat)---------  PUSH  other ranks
 
-With a shared secret every frame carries an HMAC tag (comm/auth.py); a frame that does not
-open with it, or does not decode, is dropped with a (rate-limited) warning.
+The driver's sockets listen like the control plane's (comm/endpoints.py: a private unix
+socket directory on one node, CURVE across nodes with a secret). With a shared secret every
+frame also carries an HMAC tag (comm/auth.py); a frame that does not open with it, or does
+not decode, is dropped with a (rate-limited) warning.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import zmq
 from msgspec import Struct
 
 from meshserve.comm.auth import DropLog, FrameAuth
+from meshserve.comm.endpoints import Listener, connect
 
 log = logging.getLogger(__name__)
 
@@ -47,31 +50,30 @@ LivenessMessage = Heartbeat | Abort
 class HeartbeatMonitor:
     def __init__(self, rank: int, world_size: int, session: str, interval: float, deadline: float,
                  on_failure: Callable[[str], None], host: str | None = None, addresses: str | None = None,
-                 secret: str | None = None):
-        """The driver (rank 0) passes `host` and binds; the others pass the driver's
-        `addresses` and connect. `secret`: server.secret, which authenticates every frame."""
+                 secret: str | None = None, ipc_dir: str | None = None):
+        """The driver (rank 0) passes `host` or `ipc_dir` (comm/endpoints.py) and binds; the
+        others pass the driver's `addresses` and connect. `secret`: server.secret."""
         self.rank, self.world_size, self.session = rank, world_size, session
         self.interval, self.deadline = interval, deadline
         self.on_failure = on_failure
         self._ctx = zmq.Context()
+        self._listener = Listener(self._ctx, "heartbeat", secret, host, ipc_dir) if rank == 0 else None
         self._out = self._ctx.socket(zmq.PUB if rank == 0 else zmq.PUSH)
         self._in = self._ctx.socket(zmq.PULL if rank == 0 else zmq.SUB)
         for sock in (self._out, self._in):
             sock.setsockopt(zmq.LINGER, 0)
         self._auth = FrameAuth(secret, "heartbeat")
         self._dropped = DropLog(log)
-        if rank == 0:
+        if self._listener is not None:
             self._in.setsockopt(zmq.MAXMSGSIZE, 64 << 10)  # anyone may connect; a heartbeat is tens of bytes
-            self._out.bind(f"tcp://{host}:0")
-            self._in.bind(f"tcp://{host}:0")
-            self.addresses = (f"{self._out.getsockopt_string(zmq.LAST_ENDPOINT)} "
-                              f"{self._in.getsockopt_string(zmq.LAST_ENDPOINT)}")
-            log.info("heartbeats at %s (PUB) %s (PULL)", *self.addresses.split())
+            self.addresses = f"{self._listener.bind(self._out, 'heartbeat-pub')} " \
+                             f"{self._listener.bind(self._in, 'heartbeat-pull')}"
+            log.info("heartbeats at %s (PUB) %s (PULL): %s", *self.addresses.split(), self._listener.security)
         else:
             sub, pull = addresses.split()
             self._in.setsockopt(zmq.SUBSCRIBE, b"")
-            self._in.connect(sub)
-            self._out.connect(pull)
+            connect(self._in, sub, secret, "heartbeat")
+            connect(self._out, pull, secret, "heartbeat")
             self.addresses = addresses
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(LivenessMessage)
@@ -126,9 +128,14 @@ class HeartbeatMonitor:
                         + ", ".join(map(str, silent))
                     self._fail(f"{who} sent no heartbeat for {self.deadline:.0f} s")
         finally:
-            self._out.close()
-            self._in.close()
-            self._ctx.term()
+            self._close()
+
+    def _close(self) -> None:
+        self._out.close()
+        self._in.close()
+        if self._listener is not None:
+            self._listener.close()
+        self._ctx.term()
 
     def _fail(self, reason: str) -> None:
         if self.failed is None:
@@ -137,6 +144,9 @@ class HeartbeatMonitor:
             self.on_failure(reason)
 
     def stop(self) -> None:
+        """Stop the thread, which closes the sockets (or close them here if it never started)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        elif self._thread.ident is None:
+            self._close()

@@ -42,8 +42,13 @@ class ShmCommunicator:
         total = data_bytes + 8 * self.size
         path = Path("/dev/shm") / name
         if self.rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(total)
+            # NOTE: mode 0600, and never an existing file or a link: the activations of every
+            # step pass through the segment, which other users of the machine must not read.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.ftruncate(fd, total)
+            finally:
+                os.close(fd)
         self._wait_for(path)
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), total)

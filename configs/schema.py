@@ -108,7 +108,11 @@ class SchedulerConfig(Section):
 
 
 class MetricsConfig(Section):
-    """The roofline behind the MFU and MBU gauges of `/metrics`."""
+    """`/metrics`: who may read it, and the roofline behind its MFU and MBU gauges."""
+
+    public: bool = False
+    """With server.api_key, /metrics needs the key too unless this is true (a scraper then needs
+    none). Without an API key /metrics is open either way."""
 
     peak_flops: PositiveFloat | None = None
     """Matmul FLOP/s of the whole deployment; null: measured at start-up (about a second)."""
@@ -127,16 +131,36 @@ class MetricsConfig(Section):
         return v
 
 
+class HttpLimits(Section):
+    """What one HTTP client may hold of the server."""
+
+    max_connections: PositiveInt = 1024
+    """Open connections at most; one more is answered 503 and closed."""
+    read_timeout: PositiveFloat = 30.0
+    """Seconds a client has to send a request's headers, and then its body (else 408)."""
+    keep_alive: PositiveFloat = 5.0
+    """Seconds an idle keep-alive connection stays open."""
+
+
 class ServerConfig(Section):
     zmq: str = "tcp://127.0.0.1:5555"
     http: str | None = "127.0.0.1:8000"
     """HOST:PORT of the OpenAI-compatible API (port 0: any free port); null: no HTTP server."""
+    http_limits: HttpLimits = Field(default_factory=HttpLimits)
     model_name: str | None = None
-    """The `model` name HTTP clients use; default: model.path."""
+    """The `model` name HTTP clients use; default: the model's own name (a builtin's name, or the
+    checkpoint directory's or GGUF file's name), never its local path."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     secret: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
     """Shared secret: an HMAC tag on every ZMQ frame, between clients and the server and between
-    the ranks (control plane, heartbeats). Null: none (env MESHSERVE_SECRET fills it)."""
+    the ranks (control plane, heartbeats); across nodes the control plane and heartbeats are
+    also CURVE-encrypted with keys derived from it (meshserve.comm.curve). The same on every
+    node; use a long random one. Null: none (env MESHSERVE_SECRET fills it); several nodes
+    then need cluster.insecure_control_plane."""
+    curve: bool = False
+    """Client connections to server.zmq CURVE-encrypted too (ZeroMQ's CurveZMQ), with keys derived
+    from server.secret (needed): `Client(address, secret=..., curve=True)`. Without it client
+    frames carry the secret's HMAC tag only (authenticated, readable on the network)."""
     api_key: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
     """HTTP: /v1/* needs `Authorization: Bearer <api_key>`. Null: open (env MESHSERVE_API_KEY
     fills it)."""
@@ -200,6 +224,13 @@ class ClusterConfig(Section):
     failure_timeout: PositiveFloat = 10.0
     """Seconds without a heartbeat before a rank counts as dead: the driver fails every
     in-flight request and every rank exits (non-zero)."""
+    insecure_control_plane: bool = False
+    """With cluster.nodes > 1 and no server.secret, run the control plane and heartbeats as
+    plain TCP anyway: whoever reaches the driver's ports on cluster.interface reads every
+    step plan (clients' prompts included) and can send the driver results. Only for a private
+    network you trust; otherwise set server.secret (or MESHSERVE_SECRET) on every node, which
+    encrypts and authenticates them (CURVE). On one node they use unix sockets in a private
+    directory whatever this says."""
 
     @model_validator(mode="after")
     def _heartbeats_fit(self):

@@ -60,6 +60,26 @@ def cluster_problems(config: Config, info: ModelInfo | None = None) -> list[str]
     return problems
 
 
+def control_plane_problems(config: Config) -> list[str]:
+    """Across nodes the control plane crosses a network: it needs server.secret (CURVE), or
+    an explicit cluster.insecure_control_plane. The check sees MESHSERVE_SECRET: the
+    launcher fills server.secret from it before validating."""
+    cluster = config.cluster
+    if cluster.nodes == 1 or config.server.secret is not None or cluster.insecure_control_plane:
+        return []
+    return [f"cluster.nodes={cluster.nodes} without server.secret: the control plane between the nodes would be "
+            f"plain TCP, so whoever reaches the driver's ports reads every prompt and can forge step results; "
+            f"set server.secret (or the environment variable MESHSERVE_SECRET) to the same long random value on "
+            f"every node, which encrypts it (CURVE), or set cluster.insecure_control_plane=true on a private "
+            f"network you trust"]
+
+
+def client_security_problems(config: Config) -> list[str]:
+    if config.server.curve and config.server.secret is None:
+        return ["server.curve=true needs server.secret (or MESHSERVE_SECRET): the CURVE keys are derived from it"]
+    return []
+
+
 def kernel_problems(config: Config, cpu: CpuFeatures | None = None) -> list[str]:
     """device.kernels=triton needs CUDA and triton (looked up, not imported: no torch
     here); device.kernels=cpu needs the CPU; device.cpu_isa a build this CPU runs."""
@@ -168,6 +188,8 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
             f"is not implemented, so set model.max_model_len <= {info.sliding_window}"
         )
     problems += cluster_problems(config, info)
+    problems += control_plane_problems(config)
+    problems += client_security_problems(config)
     if config.device.type == "cpu" and config.model.dtype == "float16":
         problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
     problems += kernel_problems(config)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Protocol
 
 from meshserve.comm.control import DriverChannel
 from meshserve.comm.failure import FailureSignal
 from meshserve.comm.messages import RankStats, Shutdown, StepPlan, StepResult
+from meshserve.comm.step_results import ExpectedResult
 from meshserve.engine.model_runner import ModelRunner
-
-log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -69,24 +67,27 @@ class DistributedExecutor:
         return {0: self.runner.rank_stats(time.monotonic() - self.started, 0), **self.channel.rank_stats}
 
     def submit(self, plan: StepPlan) -> StepResult | int:
+        """Publish `plan` and run the driver's shard; returns the driver's own result when it
+        samples, else the step id, whose result the channel then expects from the sampling
+        rank in the shape the driver's mirror predicts (comm/step_results.py)."""
         start = time.perf_counter()
         self.channel.publish(plan)
         self.control_seconds += time.perf_counter() - start
         local = self.runner.execute(plan)
-        return local if self.runner.groups.is_sampler else plan.step_id
+        if self.runner.groups.is_sampler:
+            return local
+        sampled = self.runner.sampled_after(plan)
+        self.channel.expect(ExpectedResult(plan.step_id, tuple(seq_id for seq_id, _ in sampled),
+                                           tuple(params.logprobs for _, params in sampled),
+                                           self.runner.info.vocab_size))
+        return plan.step_id
 
     def wait(self, handle: StepResult | int) -> StepResult:
         if isinstance(handle, StepResult):
             self.channel.drain()
             return handle
         start = time.perf_counter()
-        while True:
-            result = self.channel.recv_result(self.result_timeout, check=self.failure.check)
-            if result.step_id == handle:
-                break
-            # NOTE: without server.secret anyone reaching the PULL socket can send a result;
-            # the sampling rank answers steps in order, so another step id is not from it.
-            log.warning("dropped a step result for step %d while waiting for step %d", result.step_id, handle)
+        result = self.channel.recv_result(handle, self.result_timeout, check=self.failure.check)
         self.control_seconds += time.perf_counter() - start
         return result
 

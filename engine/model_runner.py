@@ -196,6 +196,13 @@ class ModelRunner:
         inputs.meta = build_cp_metadata(steps, cp.rank, self.memory.block_size, self.dtype, self.device)
         return inputs
 
+    def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams]]:
+        """(seq_id, params) of the sequences of `plan`, just executed, that the sampling rank
+        sampled: those whose known tokens are all computed now, in batch order (what `prepare`
+        picks, on any rank, since every mirror holds the same tokens and counts)."""
+        ids = [d.seq_id for d in plan.running] + [n.seq_id for n in plan.new]
+        return [(i, self.seqs[i].params) for i in ids if self.seqs[i].num_computed == len(self.seqs[i].token_ids)]
+
     @staticmethod
     def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: RankSeq) -> None:
         inputs.sample_rows.append(row)

@@ -1,6 +1,6 @@
 """The only place that reads (or writes) environment variables: the launchers' rank
-variables, the user's thread setting, the socket interface for gloo/NCCL, and the server's
-secrets (MESHSERVE_SECRET, MESHSERVE_API_KEY).
+variables, the user's thread setting, the socket interface for gloo/NCCL, the server's
+secrets (MESHSERVE_SECRET, MESHSERVE_API_KEY), and torch elastic's error file.
 
 Who started this rank decides which variables describe it:
 
@@ -102,6 +102,11 @@ def secrets_from_environ(config: Config) -> Config:
     if not found:
         return config
     return config.model_copy(update={"server": config.server.model_copy(update=found)})
+
+
+def elastic_error_file() -> str | None:
+    """TORCHELASTIC_ERROR_FILE: where torch elastic's agent reads why this rank failed."""
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
 
 def api_key_from_environ() -> str | None:

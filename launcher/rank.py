@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from typing import Protocol
 
 import torch
 
 from meshserve.comm.control import DriverChannel, WorkerChannel, broadcast_text
+from meshserve.comm.endpoints import ipc_dir_fits
 from meshserve.comm.failure import FailureSignal
 from meshserve.comm.heartbeat import HeartbeatMonitor
 from meshserve.configs.cpu_features import cpu_features
@@ -28,6 +31,7 @@ from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.worker import worker_loop
 from meshserve.layers.backend import kernel_summary
 from meshserve.launcher.env import CpuPlacement, RankEnv, bind_to_cores, cpu_placement
+from meshserve.launcher.failure_report import report_failure
 from meshserve.launcher.network import interface_address
 from meshserve.launcher.startup import start_world
 from meshserve.parallel.process_groups import destroy_process_groups
@@ -109,14 +113,46 @@ def _drive(config, info, memory, env, mode: DriverMode, groups) -> int:
     log.info("loading the tokenizer")
     tokenizer = Tokenizer(info, config.model.tokenizer)
     mode.prepare(config, tokenizer, info, memory)
-    channel = monitor = None
     failure = FailureSignal()
+    ipc_dir = private_socket_dir() if groups.world_size > 1 and _on_one_node(config, env) else None
+    if ipc_dir is not None:
+        failure.on_failure(lambda _: shutil.rmtree(ipc_dir, ignore_errors=True))
+    try:
+        return _drive_world(config, info, memory, env, mode, groups, tokenizer, failure, ipc_dir)
+    finally:
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _on_one_node(config: Config, env: RankEnv) -> bool:
+    """Every rank on the driver's node (start_world checked the launcher's counts against
+    cluster.nodes and cluster.ranks_per_node)."""
+    return config.cluster.nodes == 1 and env.local_world_size == env.world_size
+
+
+def private_socket_dir() -> str:
+    """A fresh directory only this user can enter (mode 0700, made by mkdtemp) for the unix
+    sockets of the control plane and heartbeats: under the system's temporary directory, or
+    /tmp when that path is too long for unix socket paths."""
+    base = tempfile.gettempdir()
+    if not ipc_dir_fits(os.path.join(base, "meshserve-xxxxxxxx")):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="meshserve-", dir=base)
+
+
+def _drive_world(config, info, memory, env, mode: DriverMode, groups, tokenizer, failure: FailureSignal,
+                 ipc_dir: str | None) -> int:
+    channel = monitor = None
     if groups.world_size > 1:
-        # NOTE: the control plane faces the other nodes: it binds on cluster.interface when set
-        # (clients reach the driver where server.zmq says, not here).
-        host = interface_address(config.cluster.interface) if config.cluster.interface else env.master_addr
-        channel = DriverChannel(host, groups.world_size, secret=config.server.secret)
-        monitor = _monitor(config, groups, channel.session, failure, host=socket.gethostbyname(host))
+        if ipc_dir is not None:
+            where = {"ipc_dir": ipc_dir}
+        else:
+            # NOTE: across nodes the control plane faces the other nodes: it binds on
+            # cluster.interface when set (clients reach the driver where server.zmq says, not here).
+            host = interface_address(config.cluster.interface) if config.cluster.interface else env.master_addr
+            where = {"host": socket.gethostbyname(host)}
+        channel = DriverChannel(groups.world_size, config.server.secret, **where)
+        monitor = _monitor(config, groups, channel.session, failure, **where)
         broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
     log.info("building the model: %s", _model_line(config, info, groups))
     runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
@@ -157,13 +193,17 @@ def _follow(config, info, memory, env, groups) -> None:
     _say_kernels(config, env, runner)
     channel.handshake(config.cluster.handshake_timeout)
     failure = FailureSignal()
-    failure.on_failure(_exit_after(0.0))
+    # NOTE: on one node a follower removes the driver's socket directory too when the world
+    # breaks: a SIGKILLed driver cannot.
+    socket_dir = os.path.dirname(addresses[0].removeprefix("ipc://")) if addresses[0].startswith("ipc://") else None
+    failure.on_failure(_exit_after(0.0, socket_dir))
     monitor = _monitor(config, groups, channel.session, failure, addresses=" ".join(addresses[2:]))
     _watch(groups, failure, monitor)
     try:
         worker_loop(runner, channel)
-    except Exception as e:  # a collective with a dead rank raised: the world is broken
-        failure.trigger(f"rank {env.global_rank}: a step failed: {type(e).__name__}: {e}")
+    except Exception:  # a collective with a dead rank raised: the world is broken
+        if failure.trigger(f"rank {env.global_rank}: a step failed (this rank's log has the traceback)"):
+            log.exception("rank %d: the step failed", env.global_rank)
         while True:
             time.sleep(3600)
     finally:
@@ -200,11 +240,16 @@ def _watch(groups: Groups, failure: FailureSignal, monitor: HeartbeatMonitor) ->
     monitor.start()
 
 
-def _exit_after(delay: float):
-    """A failure reaction: end the process with EXIT_RANK_FAILURE after `delay` seconds (the
-    driver's frontends answer in-flight requests first; nothing here waits on a dead peer)."""
+def _exit_after(delay: float, socket_dir: str | None = None):
+    """A failure reaction: tell the launcher why (launcher/failure_report.py), remove
+    `socket_dir` (the control plane's unix sockets), then end the process with
+    EXIT_RANK_FAILURE after `delay` seconds (the driver's frontends answer in-flight
+    requests first; nothing here waits on a dead peer)."""
 
     def exit_now(reason: str) -> None:
+        report_failure(reason)
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
         time.sleep(delay)
         log.error("exiting: %s", reason)
         logging.shutdown()

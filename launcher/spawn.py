@@ -24,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.schema import Config
 from meshserve.launcher.env import cap_cpu_threads_for_ranks, use_network_interface
+from meshserve.launcher.failure_report import reported_reason
 from meshserve.launcher.network import interface_address
 
 log = logging.getLogger("meshserve")
@@ -90,7 +91,12 @@ def spawn_local_ranks(config: Config, python_args: list[str], shutdown_timeout: 
     except ChildFailedError as e:
         first_rank, first = e.get_first_failure()
         failures = ", ".join(f"rank {r} ({_how(f)})" for r, f in sorted(e.failures.items()))
-        print(f"meshserve: rank {first_rank} died first ({_how(first)}); failed: {failures}", file=sys.stderr)
+        reason = reported_reason(first.error_file_data)
+        if reason is None:
+            print(f"meshserve: rank {first_rank} died first ({_how(first)}); failed: {failures}", file=sys.stderr)
+        else:  # e.g. the driver saw another rank hang, and exited first
+            print(f"meshserve: {reason} (reported by rank {first_rank}, which then exited: {_how(first)}); "
+                  f"failed: {failures}", file=sys.stderr)
         return 1
     except SignalException as e:
         # The agent forwarded the signal; the driver drained and stopped the other ranks.

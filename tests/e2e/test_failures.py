@@ -3,6 +3,9 @@
 - a rank SIGKILLed during decode: every client gets an error within the failure timeout,
   the serve command exits non-zero naming the rank, no process of the group remains and
   no shared-memory segment is left;
+- a rank SIGSTOPped: the driver gives up on it and exits first, and the serve command names
+  the stopped rank as the one whose heartbeats stopped;
+- the driver SIGKILLed: the other rank exits and removes the control plane's socket directory;
 - SIGTERM with requests in flight: they all finish, every rank exits, exit code 0;
 - a burst of 10x the admission limit: refusals are immediate and explicit (`overloaded`),
   every admitted request completes; the tokens-waiting limit refuses too.
@@ -141,14 +144,52 @@ def test_driver_killed_while_idle_takes_the_other_ranks_down(tmp_path, tiny_chec
                        f"cluster.failure_timeout={FAILURE_TIMEOUT}", "cluster.heartbeat_interval=0.5")
     try:
         pids = _rank_pids(server)
+        found = re.search(r"control plane at ipc://(\S+)/control-pub", server.tail(20000))
+        assert found and os.path.isdir(found.group(1)), server.tail()
         os.kill(pids[0], signal.SIGKILL)
         assert server.proc.wait(FAILURE_TIMEOUT + 30) != 0
         assert "rank 0 died first (killed by SIGKILL)" in server.tail(20000)
+        assert not os.path.exists(found.group(1)), "rank 1 removes the dead driver's socket directory"
         deadline = time.monotonic() + 10
         while _alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(pids.values()), "rank 1 outlived the driver"
     finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_as_the_one_that_hung(tmp_path, tiny_checkpoints):
+    """SIGSTOP, not a death: rank 1 stops sending heartbeats, the driver gives up on it and
+    exits first. The serve command's last line names rank 1 (from the reason the driver
+    reported to the launcher), not the driver as the first to die."""
+    server, _ = _serve(tmp_path, tiny_checkpoints["llama"], "stop1", "parallel.tensor=2",
+                       f"cluster.failure_timeout={FAILURE_TIMEOUT}", "cluster.heartbeat_interval=0.5")
+    try:
+        pids = _rank_pids(server)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        deadline = stopped_at + FAILURE_TIMEOUT + 30
+        while _alive([pids[0]]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive([pids[0]]), "the driver did not give up on the stopped rank"
+        assert time.monotonic() - stopped_at > FAILURE_TIMEOUT - 1
+        os.kill(pids[1], signal.SIGCONT)  # it reads the driver's Abort and exits
+        assert server.proc.wait(60) == 1
+        log = server.tail(20000)
+        assert (f"meshserve: rank 1 sent no heartbeat for {FAILURE_TIMEOUT:.0f} s (reported by rank 0, which then "
+                f"exited: exit code 1); failed: rank 0 (exit code 1)") in log, log[-3000:]
+        assert "died first" not in log
+        deadline = time.monotonic() + 10
+        while _alive(pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(pids.values())
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         server.kill()
 
 

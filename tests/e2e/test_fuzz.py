@@ -4,9 +4,10 @@ server.secret and server.api_key given through the launcher's environment.
 
 One server for the module. Fuzzing is bounded by a seeded count and a deadline. Oracles:
 every bad client frame or HTTP request gets exactly one error (the ZMQ reply codes, HTTP 4xx
-in OpenAI's shape); frames on the control plane's and heartbeats' sockets are dropped with a
-log line; and afterwards a normal request succeeds, every rank still runs, and the server
-drains and exits 0.
+in OpenAI's shape); frames on the control plane's and heartbeats' sockets (unix sockets in a
+private directory, on one node) are dropped with a log line; and afterwards a normal request
+succeeds, every rank still runs, and the server drains, exits 0 and removes the directory.
+Last, a server of its own at pipeline=2 without a secret, against forged step results.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import random
 import re
 import socket
+import stat
+import threading
 import time
 from dataclasses import dataclass
 
@@ -27,8 +30,9 @@ import zmq
 from meshserve.client import Client, MeshserveError
 from meshserve.comm.auth import FrameAuth
 from meshserve.comm.heartbeat import Heartbeat
-from meshserve.comm.messages import (ErrorReply, GenerateRequest, RankStats, Ready, SamplingParams,
-                                     StepResult, client_decoder, encoder, server_decoder)
+from meshserve.comm.messages import (ErrorReply, GenerateRequest, RankStats, Ready, SamplingParams, StepPlan,
+                                     StepResult, TokenLogprob, client_decoder, control_decoder, encoder,
+                                     server_decoder)
 from meshserve.engine.zmq_frontend import MAX_REQUEST_BYTES
 from meshserve.launcher.cli import main
 from support.checkpoints import make_checkpoint
@@ -68,13 +72,28 @@ def served(tmp_path_factory, tokenizer_dir) -> Served:
         line = proc.wait_ready(180)
         m = re.search(r"http=(http://127\.0\.0\.1:\d+)", line)
         assert m and f"zmq={zmq_address}" in line, line
-        log = proc.tail(200_000)
-        control = re.findall(r"control plane at (tcp://\S+) \(PUB\) (tcp://\S+) \(PULL\)", log)
-        assert len(control) == 1, f"the driver logs its control-plane addresses once:\n{log[-3000:]}"
-        heartbeats = re.findall(r"heartbeats at (tcp://\S+) \(PUB\) (tcp://\S+) \(PULL\)", log)
-        yield Served(proc, zmq_address, m.group(1), [*control[0], *(heartbeats[0] if heartbeats else ())])
+        yield Served(proc, zmq_address, m.group(1), control_addresses(proc))
     finally:
         proc.kill()
+
+
+def control_addresses(proc: MeshserveProcess) -> list[str]:
+    """The driver's control-plane and heartbeat sockets (PUB, PULL, PUB, PULL), from its log:
+    on one node, unix sockets in one private directory."""
+    log = proc.tail(200_000)
+    control = re.findall(r"control plane at (\S+) \(PUB\) (\S+) \(PULL\): unix sockets in a directory of mode 0700",
+                         log)
+    assert len(control) == 1, f"the driver logs its control-plane addresses once:\n{log[-3000:]}"
+    heartbeats = re.findall(r"heartbeats at (\S+) \(PUB\) (\S+) \(PULL\)", log)
+    addresses = [*control[0], *(heartbeats[0] if heartbeats else ())]
+    directory = os.path.dirname(addresses[0].removeprefix("ipc://"))
+    assert all(a.startswith(f"ipc://{directory}/") for a in addresses), addresses
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    return addresses
+
+
+def socket_dir(served) -> str:
+    return os.path.dirname(served.control[0].removeprefix("ipc://"))
 
 
 def _alive(served: Served) -> None:
@@ -202,6 +221,9 @@ def test_fuzz_control_plane(served):
     forged = [enc.encode(StepResult(10 ** 6, [0], [1])), enc.encode(StepResult(0, [], [])),
               enc.encode(RankStats(1, 1.0, 1.0, 1)), enc.encode(Ready(1, "session")),
               msgspec.msgpack.encode(Heartbeat(1, "session"))]
+    # sealed with the secret, results that answer no step: at tp = 2 the driver samples itself
+    sealed_results = [control_seal(enc.encode(StepResult(step, [seq], [token])))
+                      for step in range(0, 40, 3) for seq in (0, 1, 10 ** 9) for token in (0, VOCAB_SIZE, -5)]
     ctx = zmq.Context()
     pushes = []
     for address in served.control[1::2]:  # the PULL sockets
@@ -217,10 +239,13 @@ def test_fuzz_control_plane(served):
     deadline = time.monotonic() + FUZZ_SECONDS
     try:
         for address in served.control:  # raw bytes: not even a ZMTP greeting
-            host, port = address.removeprefix("tcp://").rsplit(":", 1)
             for n in (0, 10, 64, 4096):
-                with socket.create_connection((host, int(port)), timeout=5) as raw:
+                with socket.socket(socket.AF_UNIX) as raw:
+                    raw.settimeout(5)
+                    raw.connect(address.removeprefix("ipc://"))
                     raw.sendall(os.urandom(n))
+        for frame in sealed_results:
+            pushes[0].send(frame)
         while sent < FUZZ_FRAMES and time.monotonic() < deadline:
             kind = rng.randrange(4)
             if kind == 0:
@@ -245,6 +270,7 @@ def test_fuzz_control_plane(served):
     log = served.proc.tail(1_000_000)
     assert "dropped an unauthenticated control-plane frame" in log
     assert "dropped an unauthenticated liveness frame" in log
+    assert "that the sampling rank did not send: no result for that step is in flight" in log
     assert "Traceback" not in log, log[-4000:]
 
 
@@ -266,13 +292,13 @@ def test_http_needs_the_api_key(served):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                         {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}):
             for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nope"),
-                                 ("GET", "/openapi.json")):
+                                 ("GET", "/openapi.json"), ("GET", "/metrics")):
                 resp = http.request(method, f"{url}{path}", headers=headers, json={"prompt": "hi"})
                 err = _assert_openai_error(resp, 401, f"{method} {path} {headers}")
                 assert err["code"] == "invalid_api_key" and resp.headers["www-authenticate"] == "Bearer"
         assert http.get(f"{url}/health").status_code == 200
-        assert http.get(f"{url}/metrics").status_code == 200
         auth = {"Authorization": f"Bearer {API_KEY}"}
+        assert http.get(f"{url}/metrics", headers=auth).status_code == 200  # server.metrics.public=false
         assert http.get(f"{url}/v1/models", headers=auth).json()["data"][0]["id"]
         resp = http.post(f"{url}/v1/completions", headers=auth,
                          json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
@@ -354,5 +380,96 @@ def test_fuzz_http(served):
 
 def test_server_drains_and_exits_cleanly(served):
     _normal_request(served)
+    assert os.path.isdir(socket_dir(served))
     assert served.proc.stop() == 0, served.proc.tail()
     assert not served.proc.group_alive()
+    assert not os.path.exists(socket_dir(served)), "the driver removes its socket directory"
+
+
+# ------------------------------------------------------------------ forged step results, no secret
+
+
+def _forgeries(plan: StepPlan) -> list[StepResult]:
+    """Results for `plan`'s step (or near it) that no step can have as its answer: each has
+    one defect, whatever the step samples (greedy requests, no logprobs)."""
+    seqs = [d.seq_id for d in plan.running] + [n.seq_id for n in plan.new]
+    step, ones = plan.step_id, [1] * len(seqs)
+    return [StepResult(step + 10 ** 9, seqs, ones), StepResult(step, [*seqs, 10 ** 9], [*ones, 1]),
+            StepResult(step, [seqs[0], seqs[0]], [1, 1]), StepResult(step, seqs, [*ones, 1]),
+            StepResult(step, seqs, [VOCAB_SIZE] * len(seqs)), StepResult(step, seqs, [-1] * len(seqs)),
+            StepResult(step, seqs, ones, [TokenLogprob(1, 0.0, [])] * len(seqs))]
+
+
+def _attack(pub: str, pull: str, stop: threading.Event, sent: list[int]) -> None:
+    """A local process of the deployment's user without the secret: it reads the plans on the
+    PUB socket and answers each with forged results on the PULL socket, REPEAT times each."""
+    ctx = zmq.Context()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    for s in (sub, push):
+        s.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    push.connect(pull)
+    enc, dec = encoder(), control_decoder()
+    try:
+        while not stop.is_set():
+            if not sub.poll(50):
+                continue
+            plan = dec.decode(sub.recv())
+            if isinstance(plan, StepPlan) and plan.num_seqs:
+                frames = [enc.encode(r) for r in _forgeries(plan)]
+                for _ in range(REPEAT):
+                    for frame in frames:
+                        push.send(frame)
+                sent[0] += REPEAT * len(frames)
+    finally:
+        sub.close()
+        push.close()
+        ctx.term()
+
+
+REPEAT = 100
+PP_PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
+
+
+def test_forged_step_results_change_nothing_at_pp2_without_a_secret(tmp_path, tokenizer_dir):
+    """The attack of issue 20 (forged StepResults killed the server): no secret, pp = 2 (the
+    last stage samples, so the driver takes every step's tokens from its PULL socket), and a
+    process of the same user answering every plan it reads with forged results, thousands in
+    all, for the steps in flight: the server drops them, answers exactly as it did before the
+    attack, drains and exits 0, and removes its socket directory."""
+    ckpt = make_checkpoint(tmp_path / "llama", "llama", tokenizer_from=tokenizer_dir)
+    zmq_address = f"tcp://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("MESHSERVE_SECRET", "MESHSERVE_API_KEY")}
+    proc = MeshserveProcess(
+        ["-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={ckpt}", "--set", "parallel.pipeline=2",
+         "--set", f"server.zmq={zmq_address}", "--set", "server.http=null",
+         "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=16MiB"],
+        tmp_path, env=dict(env, OMP_NUM_THREADS="1"))
+    try:
+        proc.wait_ready(180)
+        pub, pull = control_addresses(proc)[:2]
+
+        def generate() -> list[list[int]]:
+            with Client(zmq_address, timeout=TIMEOUT) as c:
+                return [c.generate(p, max_tokens=12, temperature=0, ignore_eos=True).token_ids for p in PP_PROMPTS]
+
+        want = generate()
+        stop, sent = threading.Event(), [0]
+        attacker = threading.Thread(target=_attack, args=(pub, pull, stop, sent))
+        attacker.start()
+        try:
+            time.sleep(0.5)  # subscribed
+            got = generate()
+        finally:
+            stop.set()
+            attacker.join(30)
+        assert got == want
+        assert sent[0] >= 10_000, sent
+        log = proc.tail(1_000_000)
+        assert "that the sampling rank did not send" in log and "Traceback" not in log, log[-4000:]
+        directory = os.path.dirname(pub.removeprefix("ipc://"))
+        assert proc.stop() == 0, proc.tail()
+        assert not os.path.exists(directory)
+    finally:
+        proc.kill()

@@ -1,12 +1,17 @@
 """Across nodes, through the launchers clusters use: two network namespaces stand in for two
 nodes (tp = 2 inside each, pp = 2 across them) started by `meshserve serve --node-rank K` and
 by torchrun; `mpiexec -n 4` with mpi4py; the deepspeed launcher. Greedy tokens equal one rank's.
-A missing node, an unreachable rendezvous, a world of the wrong size and configs that differ
-between nodes fail on every node that is up, with the numbers, in bounded time."""
+Across the namespaces the control plane is CURVE-encrypted (the configs carry a secret): a
+process on node 1 without it hears nothing on the driver's PUB port and its forged results
+change nothing; without a secret (and without cluster.insecure_control_plane) every node
+refuses to start. A missing node, an unreachable rendezvous, a world of the wrong size and
+configs that differ between nodes fail on every node that is up, with the numbers, in
+bounded time."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -25,17 +30,46 @@ PROMPTS = ["The capital of France is", "Once upon a time"]
 MAX_TOKENS = 8
 CLI = [sys.executable, "-m", "meshserve.launcher.cli"]
 
+SECRET = "multinode-test-secret-0123456789abcdef"
+
+SPY = """
+import json, sys, time, zmq
+from meshserve.comm.messages import StepResult, encoder
+pub, pull, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ctx = zmq.Context()
+sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(pub)
+push.connect(pull)
+heard = queued = 0
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    for step in range(64):
+        try:
+            push.send(encoder().encode(StepResult(step, [0, 1], [7, 7])), zmq.NOBLOCK)
+            queued += 1
+        except zmq.Again:
+            break
+    if sub.poll(50):
+        sub.recv()
+        heard += 1
+print(json.dumps({"heard": heard, "queued": queued}))
+sub.close(linger=0)
+push.close(linger=0)
+ctx.term()
+"""
+
 CLIENT = """
 import json, sys
 from meshserve.client import Client
-with Client(sys.argv[1], timeout=120) as client:
+with Client(sys.argv[1], timeout=120, secret=sys.argv[4] or None) as client:
     print(json.dumps([client.generate(p, max_tokens=int(sys.argv[2]), temperature=0).token_ids
                       for p in json.loads(sys.argv[3])]))
 """
 
 
 def write_config(tmp_path: Path, model: Path, name: str, tensor: int, pipeline: int = 1, zmq: str | None = None,
-                 cluster: dict | None = None) -> Path:
+                 cluster: dict | None = None, secret: str | None = None) -> Path:
     data = {
         "model": {"path": str(model), "max_model_len": 256},
         "parallel": {"tensor": tensor, "pipeline": pipeline},
@@ -43,6 +77,8 @@ def write_config(tmp_path: Path, model: Path, name: str, tensor: int, pipeline: 
         "cache": {"memory": "16MiB"},
         "server": {"zmq": zmq or f"tcp://127.0.0.1:{free_port()}", "http": None},
     }
+    if secret is not None:
+        data["server"]["secret"] = secret
     if cluster:
         data["cluster"] = cluster
     p = tmp_path / name
@@ -84,18 +120,19 @@ def nodes():
         two.down()
 
 
-def two_node_config(tmp_path, tiny_checkpoints, nodes, name="two.yaml", port=29500, timeout=120):
+def two_node_config(tmp_path, tiny_checkpoints, nodes, name="two.yaml", port=29500, timeout=120,
+                    secret: str | None = SECRET):
     return write_config(tmp_path, tiny_checkpoints["llama"], name, tensor=2, pipeline=2,
-                        zmq=f"tcp://{nodes.addresses[0]}:5555",
+                        zmq=f"tcp://{nodes.addresses[0]}:5555", secret=secret,
                         cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": port,
                                  "interface": nodes.interface, "rendezvous_timeout": timeout,
                                  "handshake_timeout": timeout})
 
 
-def tokens_from_node0(nodes, address: str) -> list[list[int]]:
+def tokens_from_node0(nodes, address: str, secret: str | None = SECRET) -> list[list[int]]:
     """A client inside node 0's namespace, where the driver's ZMQ address is."""
-    out = subprocess.run(nodes.cmd(0, [sys.executable, "-c", CLIENT, address, str(MAX_TOKENS), json.dumps(PROMPTS)]),
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(nodes.cmd(0, [sys.executable, "-c", CLIENT, address, str(MAX_TOKENS), json.dumps(PROMPTS),
+                                       secret or ""]), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -108,11 +145,26 @@ def serve_two_nodes(nodes, tmp_path, argv_of_node) -> list[MeshserveProcess]:
 
 
 def check_serves_and_stops(nodes, procs, want, exit_code: int | None = 0):
-    """`exit_code`: node 0's on SIGTERM (None: the launcher's own, unchecked)."""
+    """`exit_code`: node 0's on SIGTERM (None: the launcher's own, unchecked). While the
+    client runs, a process on node 1 without the secret listens on the driver's control-plane
+    PUB port and pushes forged results at its PULL port: CURVE keeps it out of both."""
     node0, node1 = procs
     line = node0.wait_ready(240)
     assert "world_size=4" in line and f"zmq=tcp://{nodes.addresses[0]}:5555" in line
-    assert tokens_from_node0(nodes, f"tcp://{nodes.addresses[0]}:5555") == want
+    found = re.findall(r"control plane at (tcp://\S+) \(PUB\) (tcp://\S+) \(PULL\): CURVE-encrypted, keys from "
+                       r"server.secret, frames authenticated", node0.tail(200_000))
+    assert len(found) == 1 and found[0][0].startswith(f"tcp://{nodes.addresses[0]}:"), node0.tail()[-3000:]
+    spy = subprocess.Popen(nodes.cmd(1, [sys.executable, "-c", SPY, *found[0], "6"]), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert tokens_from_node0(nodes, f"tcp://{nodes.addresses[0]}:5555") == want
+        out, err = spy.communicate(timeout=60)
+    finally:
+        spy.kill()
+    assert spy.returncode == 0, err[-2000:]
+    seen = json.loads(out)
+    assert seen["heard"] == 0 and seen["queued"] > 0, seen  # its frames never left its queue
+    assert "dropped" not in node0.tail(200_000), "a frame from outside reached the driver"
     code = node0.stop()
     assert exit_code is None or code == exit_code, node0.tail()
     # node 1's ranks follow the driver's Shutdown and exit; so does its agent
@@ -148,6 +200,25 @@ def test_two_nodes_torchrun_c10d_tp2_pp2_matches_one_rank(nodes, tmp_path, tiny_
     finally:
         for p in procs:
             p.kill()
+
+
+def test_two_nodes_without_a_secret_refuse_to_start_on_every_node(nodes, tmp_path, tiny_checkpoints):
+    cfg = two_node_config(tmp_path, tiny_checkpoints, nodes, name="open.yaml", port=29540, secret=None)
+    env = {k: v for k, v in os.environ.items() if k != "MESHSERVE_SECRET"}
+    start = time.monotonic()
+    procs = [subprocess.Popen(nodes.cmd(k, [*CLI, "serve", str(cfg), "--node-rank", str(k)]), text=True, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k in (1, 0)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 2, err[-2000:]
+        assert ("meshserve: config error: " in err and "cluster.nodes=2 without server.secret" in err
+                and "cluster.insecure_control_plane=true" in err), err[-2000:]
+        assert "joining the world" not in err  # before any rank started
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.slow

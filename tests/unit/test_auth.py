@@ -1,7 +1,10 @@
 """Shared-secret frames (comm/auth.py) and the sockets that use them, in one process:
 seal/open against tampering and wrong secrets; the control plane and the heartbeats drop
-what does not authenticate or decode and keep working; the ZMQ frontend answers an
-unauthenticated client with "unauthorized" and nothing else, and serves one with the secret.
+what does not authenticate or decode and keep working (on unix sockets, as on one node,
+where the HMAC tag is what tells a rank's frame from another local process's; across
+nodes CURVE keeps such peers out first: tests/unit/test_curve.py); the ZMQ frontend
+answers an unauthenticated client with "unauthorized" and nothing else, and serves one
+with the secret.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import logging
 import os
 import queue
 import random
+import shutil
+import tempfile
 import threading
 import time
 
@@ -23,8 +28,9 @@ from meshserve.client import AsyncClient, Client, MeshserveError
 from meshserve.comm.auth import TAG_BYTES, DropLog, FrameAuth
 from meshserve.comm.control import ControlPlaneError, DriverChannel, WorkerChannel
 from meshserve.comm.heartbeat import Heartbeat, HeartbeatMonitor
-from meshserve.comm.messages import (Delta, ErrorReply, GenerateRequest, RankStats, StepPlan, StepResult, Usage,
-                                     encoder, server_decoder)
+from meshserve.comm.messages import (Delta, ErrorReply, GenerateRequest, RankStats, StepPlan, StepResult,
+                                     TokenLogprob, Usage, encoder, server_decoder)
+from meshserve.comm.step_results import ExpectedResult
 from meshserve.engine.commands import AddCommand, Inbox
 from meshserve.engine.zmq_frontend import ZmqFrontend
 
@@ -99,17 +105,25 @@ def _garbage(rng: random.Random) -> tuple[list[bytes], list[bytes]]:
     return undecodable, [result, enc.encode(RankStats(1, 9.0, 9.0, 999))]
 
 
-def _connected(secret_driver, secret_worker, world_size=2):
-    driver = DriverChannel("127.0.0.1", world_size, secret=secret_driver)
+@pytest.fixture
+def ipc_dir():
+    """A private directory (mode 0700) for unix sockets, with a path short enough for them."""
+    path = tempfile.mkdtemp(prefix="ms-auth-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _connected(ipc_dir, secret_driver, secret_worker, world_size=2):
+    driver = DriverChannel(world_size, secret_driver, ipc_dir=ipc_dir)
     worker = WorkerChannel(driver.addresses, 1, secret=secret_worker)
     return driver, worker
 
 
 @contextlib.contextmanager
-def _joined_with_rogue(secret):
+def _joined_with_rogue(ipc_dir, secret):
     """A driver and one rank that completed the handshake, and a rogue PUSH socket
-    connected to the driver's PULL port."""
-    driver, worker = _connected(secret, secret)
+    connected to the driver's PULL socket."""
+    driver, worker = _connected(ipc_dir, secret, secret)
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.PUSH)
     rogue.setsockopt(zmq.LINGER, 0)
@@ -127,8 +141,8 @@ def _joined_with_rogue(secret):
         driver.close()
 
 
-def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog):
-    with _joined_with_rogue(SECRET) as (driver, worker, rogue):
+def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog, ipc_dir):
+    with _joined_with_rogue(ipc_dir, SECRET) as (driver, worker, rogue):
         sealed = FrameAuth(SECRET, "control")
         undecodable, wellformed = _garbage(random.Random(0))
         # unsealed (even well-formed ones), and sealed garbage that does not decode; and a
@@ -141,26 +155,87 @@ def test_control_plane_drops_unauthenticated_and_undecodable_frames(caplog):
             time.sleep(0.3)
             driver.drain()  # drops them all, without raising
             worker.send_stats(RankStats(1, 0.5, 1.0, 3))
+            driver.expect(ExpectedResult(1, (0,), (None,), 100))
             worker.send_result(StepResult(1, [0], [42]))
-            assert driver.recv_result(10) == StepResult(1, [0], [42])
+            assert driver.recv_result(1, 10) == StepResult(1, [0], [42])
         assert set(driver.rank_stats) == {1} and driver.rank_stats[1].steps == 3  # rank 99 was never recorded
         assert any("dropped an unauthenticated control-plane frame" in r.getMessage() for r in caplog.records)
         driver.publish(StepPlan(2, [], [], []))
         assert worker.recv(10) == StepPlan(2, [], [], [])
 
 
-def test_control_plane_without_secret_drops_undecodable_frames():
-    with _joined_with_rogue(None) as (driver, worker, rogue):
-        for f in _garbage(random.Random(1))[0]:  # no secret: a well-formed StepResult would be believed
+def test_control_plane_without_secret_drops_undecodable_frames(ipc_dir):
+    with _joined_with_rogue(ipc_dir, None) as (driver, worker, rogue):
+        for f in _garbage(random.Random(1))[0]:  # no secret: a well-formed result must fit a step in flight
             rogue.send(f)
         time.sleep(0.3)
         driver.drain()
+        driver.expect(ExpectedResult(5, (0,), (None,), 100))
         worker.send_result(StepResult(5, [0], [1]))
-        assert driver.recv_result(10).step_id == 5
+        assert driver.recv_result(5, 10).step_id == 5
 
 
-def test_rank_with_another_secret_never_joins():
-    driver, worker = _connected(SECRET, "another secret")
+LP = TokenLogprob(5, -0.1, [(5, -0.1), (6, -2.5)])
+EXPECTED = ExpectedResult(4, (7, 9), (None, 2), 100)
+"""Step 4 samples sequences 7 (no logprobs) and 9 (top 2) of a 100-token vocabulary."""
+GOOD = StepResult(4, [7, 9], [3, 5], [None, LP])
+FORGED = {
+    "a step not in flight": StepResult(5, [7, 9], [3, 5], [None, LP]),
+    "a missing sequence": StepResult(4, [9], [5], [LP]),
+    "an unknown sequence": StepResult(4, [7, 9, 11], [3, 5, 1], [None, LP, None]),
+    "a duplicate": StepResult(4, [7, 7], [3, 3], [None, None]),
+    "another order": StepResult(4, [9, 7], [5, 3], [LP, None]),
+    "fewer tokens": StepResult(4, [7, 9], [3], [None, LP]),
+    "more tokens": StepResult(4, [7, 9], [3, 5, 6], [None, LP]),
+    "a token past the vocabulary": StepResult(4, [7, 9], [3, 100], [None, LP]),
+    "a negative token": StepResult(4, [7, 9], [-1, 5], [None, LP]),
+    "no logprobs": StepResult(4, [7, 9], [3, 5]),
+    "too few logprobs": StepResult(4, [7, 9], [3, 5], [LP]),
+    "logprobs nobody asked for": StepResult(4, [7, 9], [3, 5], [LP, LP]),
+    "logprobs of another token": StepResult(4, [7, 9], [3, 6], [None, LP]),
+    "too many alternatives": StepResult(4, [7, 9], [3, 5], [None, TokenLogprob(5, -0.1, [(5, -0.1)] * 3)]),
+    "an alternative past the vocabulary": StepResult(4, [7, 9], [3, 5],
+                                                     [None, TokenLogprob(5, -0.1, [(5, -0.1), (1000, -9.0)])]),
+}
+
+
+def test_expected_result_accepts_only_the_sampling_ranks_answer():
+    assert EXPECTED.problem(GOOD) is None
+    problems = {what: EXPECTED.problem(result) for what, result in FORGED.items()}
+    assert all(problems.values()), [what for what, problem in problems.items() if problem is None]
+    assert problems["a missing sequence"] == "sequences [9], but step 4 samples [7, 9]"
+    assert problems["a token past the vocabulary"] == "token ids [100] outside the vocabulary of 100"
+    no_logprobs = ExpectedResult(2, (), (), 100)
+    assert no_logprobs.problem(StepResult(2, [], [])) is None
+    assert no_logprobs.problem(StepResult(2, [], [], [])) == "logprobs no sequence asked for"
+
+
+def test_driver_drops_results_that_do_not_answer_a_step_in_flight(ipc_dir, caplog):
+    """Without a secret any local process of this user reaches the PULL socket: a result that
+    does not fit the step in flight is dropped with a warning; the rank's own is taken, once."""
+    with _joined_with_rogue(ipc_dir, None) as (driver, worker, rogue):
+        driver.expect(EXPECTED)
+        with caplog.at_level(logging.WARNING, logger="meshserve.comm.control"):
+            for result in FORGED.values():
+                for _ in range(100):
+                    rogue.send(encoder().encode(result))
+            time.sleep(0.5)
+            driver.drain()  # they are all dropped, without raising
+            worker.send_result(GOOD)
+            assert driver.recv_result(4, 10) == GOOD
+            rogue.send(encoder().encode(GOOD))  # a replay: step 4 is no longer in flight
+            time.sleep(0.2)
+            driver.drain()
+        with pytest.raises(ControlPlaneError, match="step 4: no result is expected"):
+            driver.recv_result(4, 1)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings and warnings[0].startswith("dropped a step result for step 5 that the sampling rank did not "
+                                               "send: no result for that step is in flight"), warnings
+    assert len(warnings) == 1, "the drops are rate-limited"
+
+
+def test_rank_with_another_secret_never_joins(ipc_dir):
+    driver, worker = _connected(ipc_dir, SECRET, "another secret")
     try:
         with pytest.raises(ControlPlaneError, match="nothing from the driver"):
             worker.handshake(1.0)  # every Hello was dropped
@@ -174,10 +249,10 @@ def test_rank_with_another_secret_never_joins():
 # ------------------------------------------------------------------ heartbeats
 
 
-def test_heartbeats_need_the_secret():
+def test_heartbeats_need_the_secret(ipc_dir):
     """A peer that sends the right rank and session without the secret is not a heartbeat."""
     failures: list[str] = []
-    driver = HeartbeatMonitor(0, 2, "session", 0.1, 1.0, failures.append, host="127.0.0.1", secret=SECRET)
+    driver = HeartbeatMonitor(0, 2, "session", 0.1, 1.0, failures.append, ipc_dir=ipc_dir, secret=SECRET)
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.PUSH)
     rogue.setsockopt(zmq.LINGER, 0)
@@ -198,7 +273,7 @@ def test_heartbeats_need_the_secret():
         ctx.term()
 
     failures.clear()
-    driver = HeartbeatMonitor(0, 2, "s2", 0.1, 1.0, failures.append, host="127.0.0.1", secret=SECRET)
+    driver = HeartbeatMonitor(0, 2, "s2", 0.1, 1.0, failures.append, ipc_dir=ipc_dir, secret=SECRET)
     rank1 = HeartbeatMonitor(1, 2, "s2", 0.1, 1.0, failures.append, addresses=driver.addresses, secret=SECRET)
     driver.start()
     rank1.start()

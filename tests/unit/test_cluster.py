@@ -25,7 +25,8 @@ def clean_env(monkeypatch):
 
 
 def tiny(tiny_checkpoints, *overrides: str):
-    return load_config(None, [f"model.path={tiny_checkpoints['llama']}", *overrides])
+    """The tiny Llama with a secret, which several nodes need (tests/unit/test_config_errors.py)."""
+    return load_config(None, [f"model.path={tiny_checkpoints['llama']}", "server.secret=test-secret", *overrides])
 
 
 def check_error(config) -> str:
@@ -167,8 +168,28 @@ def test_multinode_example_configs_hold_their_world(name):
 
     from meshserve.configs.validate import cluster_problems
 
-    config = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / name, ["server.secret=from-the-env"])
     assert config.cluster.nodes == 2 and config.cluster.nodes * config.ranks_per_node == config.world_size
     assert cluster_problems(config) == []
     if config.model.path.startswith("builtin:"):
         check_config(config, name)
+
+
+def test_a_ranks_reported_reason_reaches_the_elastic_agent(tmp_path, monkeypatch):
+    """What torch elastic's agent reads from a failed rank's error file (launcher/failure_report.py):
+    the reason, with the time it was written; nothing for a rank that reported none."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from meshserve.launcher.failure_report import report_failure, reported_reason
+
+    path = tmp_path / "error.json"
+    silent = ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(path))
+    assert reported_reason(silent.error_file_data) is None  # torch's placeholder is {"message": "<NONE>"}
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    report_failure("not written anywhere")
+    assert not path.exists()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    report_failure("rank 1 sent no heartbeat for 4 s")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert reported_reason(failure.error_file_data) == failure.message == "rank 1 sent no heartbeat for 4 s"
+    assert failure.timestamp > 0

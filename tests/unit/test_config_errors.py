@@ -548,3 +548,27 @@ def test_pipeline_layers_must_be_positive(tmp_path):
 def test_bad_partition_fails_before_any_rank_starts(smollm2, capsys):
     assert main(["serve", "--set", "parallel.pipeline=2", "--set", "parallel.pipeline_layers=[10, 10]"]) == 2
     assert "parallel.pipeline_layers=[10, 10] sums to 20, not num_hidden_layers=30" in capsys.readouterr().err
+
+
+def test_several_nodes_without_a_secret_are_refused_before_any_rank_starts(tiny_checkpoints, tmp_path, monkeypatch,
+                                                                            capsys):
+    monkeypatch.delenv("MESHSERVE_SECRET", raising=False)
+    body = "parallel:\n  tensor: 2\n  pipeline: 2\ncluster:\n  nodes: 2\n  master_addr: 10.0.0.1\n"
+    config, source = tiny_config(tiny_checkpoints, tmp_path, body, name="two.yaml")
+    assert check_error(config, source) == (
+        f"{source}: cluster.nodes=2 without server.secret: the control plane between the nodes would be plain TCP, "
+        f"so whoever reaches the driver's ports reads every prompt and can forge step results; set server.secret "
+        f"(or the environment variable MESHSERVE_SECRET) to the same long random value on every node, which "
+        f"encrypts it (CURVE), or set cluster.insecure_control_plane=true on a private network you trust")
+    # `meshserve serve --node-rank 0` stops there, before starting any rank
+    assert main(["serve", source, "--node-rank", "0"]) == 2
+    assert "config error" in (err := capsys.readouterr().err) and "set server.secret" in err
+    # a secret (in the file, or from the environment as the launcher fills it in), or the opt-out
+    check_config(load_config(Path(source), ["server.secret=a-long-random-secret"]), source)
+    check_config(load_config(Path(source), ["cluster.insecure_control_plane=true"]), source)
+    monkeypatch.setenv("MESHSERVE_SECRET", "from-the-environment")
+    assert main(["check", source]) == 0
+    # one node needs neither: its control plane is unix sockets in a private directory
+    one, one_source = tiny_config(tiny_checkpoints, tmp_path, "parallel:\n  tensor: 2\n  pipeline: 2\n", name="one.yaml")
+    monkeypatch.delenv("MESHSERVE_SECRET")
+    check_config(one, one_source)

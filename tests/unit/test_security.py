@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ def test_client_facing_sockets_bind_loopback_by_default():
     assert server.secret is None and server.api_key is None
     for cls in (Client, AsyncClient):  # and the clients' default is that address
         assert inspect.signature(cls).parameters["address"].default == server.zmq
-    # on one node the ranks meet, and the driver binds its control plane, on loopback too
+    # on one node the ranks meet on loopback (the control plane is unix sockets in a private
+    # directory: tests/unit/test_ipc_control_plane.py)
     assert Config().cluster.master_addr is None and _is_loopback(RankEnv().master_addr)
 
 
@@ -71,6 +73,29 @@ def test_secrets_from_the_environment(monkeypatch):
     config = secrets_from_environ(load_config(None))
     assert config.server.secret is None and config.server.api_key is None
     assert config == Config()
+
+
+def test_shared_memory_segment_is_private(tmp_path):
+    """The TP collectives' segment in /dev/shm carries every step's activations: mode 0600,
+    and a name that already exists (planted by another user, or a link) is refused."""
+    from meshserve.comm.groups import AxisGroup
+    from meshserve.comm.shm import ShmCommunicator, new_segment_name
+
+    name = new_segment_name()
+    path = Path("/dev/shm") / name
+    shm = ShmCommunicator(AxisGroup.single("tp"), 1024, 5.0, name)
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        shm.attached(name)
+    assert not path.exists()
+    path.symlink_to(tmp_path / "elsewhere")
+    try:
+        with pytest.raises(FileExistsError):
+            ShmCommunicator(AxisGroup.single("tp"), 1024, 5.0, name)
+        assert not (tmp_path / "elsewhere").exists()
+    finally:
+        path.unlink()
 
 
 # ------------------------------------------------------------------ checkpoint paths
