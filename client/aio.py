@@ -13,18 +13,24 @@ from meshserve.client.errors import MeshserveError, RequestTimeout
 from meshserve.client.frames import open_reply
 from meshserve.client.request import make_request
 from meshserve.comm.auth import FrameAuth
+from meshserve.comm.curve import make_curve_client
 from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
 
 
 class AsyncClient:
     def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0,
-                 secret: str | None = None):
-        """`secret`: the server's shared secret (server.secret), if it has one."""
+                 secret: str | None = None, curve: bool = False):
+        """`secret`: the server's shared secret (server.secret), if it has one. `curve`: the
+        server has server.curve (CURVE-encrypted connections; needs `secret`)."""
         self.address, self.timeout = address, timeout
         self._auth = FrameAuth(secret, "client")
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            if secret is None:
+                raise ValueError("curve=True needs the server's secret: the CURVE keys are derived from it")
+            make_curve_client(self._sock, secret, "client")
         self._sock.connect(address)
         self._encoder, self._decoder = encoder(), server_decoder()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -50,7 +56,12 @@ class AsyncClient:
         return completion
 
     async def abort(self, request_id: str) -> None:
-        await self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))))
+        """Ask the server to stop `request_id`. Never blocks: with no server connected (it is
+        down, or refused the handshake) there is nothing to stop."""
+        try:
+            await self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     async def _deltas(self, request_id: str, timeout: float | None) -> AsyncIterator[Delta]:
         queue = self._queues[request_id]

@@ -14,19 +14,25 @@ from meshserve.client.errors import MeshserveError, RequestTimeout
 from meshserve.client.frames import open_reply
 from meshserve.client.request import make_request
 from meshserve.comm.auth import FrameAuth
+from meshserve.comm.curve import make_curve_client
 from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
 
 
 class Client:
     def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0,
-                 secret: str | None = None):
+                 secret: str | None = None, curve: bool = False):
         """`timeout`: seconds to wait for each message of a reply before giving up. `secret`:
-        the server's shared secret (server.secret), if it has one."""
+        the server's shared secret (server.secret), if it has one. `curve`: the server has
+        server.curve (CURVE-encrypted connections; needs `secret`)."""
         self.address, self.timeout = address, timeout
         self._auth = FrameAuth(secret, "client")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            if secret is None:
+                raise ValueError("curve=True needs the server's secret: the CURVE keys are derived from it")
+            make_curve_client(self._sock, secret, "client")
         self._sock.connect(address)
         self._encoder, self._decoder = encoder(), server_decoder()
         self._pending: dict[str, collections.deque] = {}
@@ -53,7 +59,12 @@ class Client:
         return completion
 
     def abort(self, request_id: str) -> None:
-        self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))))
+        """Ask the server to stop `request_id`. Never blocks: with no server connected (it is
+        down, or refused the handshake) there is nothing to stop."""
+        try:
+            self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _deltas(self, request_id: str, timeout: float | None) -> Iterator[Delta]:
         finished = False

@@ -16,8 +16,13 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+INT32_MAX = (1 << 31) - 1
+NonNegInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+"""Counts: bounded, so no plan built from a request can overflow an encoder or a kernel."""
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+MAX_PROMPT_TOKENS = 1 << 20
+"""Token ids in one prompt (a frame's limit; the model's context is checked at admission)."""
+MAX_PROMPT_CHARS = 16 << 20
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -26,7 +31,7 @@ MAX_LOGPROBS = 20
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Per-request sampling. Defaults follow OpenAI/vLLM (temperature 1, no top-k/p)."""
 
-    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 16
     min_tokens: NonNegInt = 0
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
@@ -51,8 +56,8 @@ class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defau
 
 class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
-    prompt: str | None = None
-    prompt_token_ids: list[TokenId] | None = None
+    prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
     params: SamplingParams = SamplingParams()
     stream: bool = True
 

@@ -85,6 +85,15 @@ def resolve_model_path(path: str) -> Path:
 
 
 @lru_cache(maxsize=8)
+def served_name(path: str) -> str:
+    """The name HTTP clients see for model.path: a builtin's name, or the checkpoint
+    directory's or GGUF file's own name (never the local path that leads to it)."""
+    if path.startswith("builtin:"):
+        return path.removeprefix("builtin:")
+    p = Path(path)
+    return p.stem if p.suffix == ".gguf" else p.name or path
+
+
 def read_model_info(path: str) -> ModelInfo:
     p = resolve_model_path(path)
     return _from_gguf(p) if p.is_file() else _from_hf_dir(p)

@@ -12,7 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Protocol
 
-from meshserve.comm.messages import Delta, SamplingParams
+import msgspec
+
+from meshserve.comm.messages import Delta, NewSeq, SamplingParams, encoder
 from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.schema import SchedulerConfig
 from meshserve.engine.block_manager import BlockManager
@@ -85,6 +87,7 @@ class Engine:
         self._next_seq_id = 0
         self.stats = EngineStats()
         self.observer: EngineObserver | None = None
+        self._encoder = encoder()
 
     @property
     def num_requests(self) -> int:
@@ -98,6 +101,10 @@ class Engine:
         """Queue a validated request. `key` is unique among live requests."""
         if key in self.requests:
             raise RequestError("duplicate_id", f"request_id {request_id!r} is already running")
+        try:  # what a plan will carry of it: a request the ranks cannot be sent fails here, alone
+            self._encoder.encode(NewSeq(self._next_seq_id, prompt_ids, len(prompt_ids), [], 0, 0, params))
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+            raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
         seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params,
                        cp_local_lens=[0] * self.scheduler.blocks.cp_size)
         self._next_seq_id += 1

@@ -1,17 +1,22 @@
 """The OpenAI-compatible HTTP API (the "http" frontend): FastAPI served by uvicorn on an
 event loop in a thread of its own.
 
-A handler validates and tokenizes (tokenization runs on a worker thread, off the event
-loop), then puts one AddCommand per sample (prompts x n) into the step loop's inbox. The
+A handler reads the body (MAX_BODY_BYTES, within read_timeout), validates it with every size
+bounded before it is parsed (engine/request_body.py), tokenizes on a worker pool (off the
+event loop; each prompt's length is checked as soon as it is tokenized), then puts one
+AddCommand per sample (prompts x n) into the step loop's inbox. The
 step loop replies through `send()` from its own thread; `send()` hands each message to
 the event loop with `call_soon_threadsafe`, into the asyncio queue of the HTTP request it
 belongs to. A client that disconnects, streaming or not, gets its engine requests aborted.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
-parameters (FastAPI's 422 included) and prompts that are too long, 404 for an unknown model
-or path, 413 for a body over MAX_BODY_BYTES, 429 when the scheduler's queue is full, 503
-while the server drains or once it stopped. With an API key (server.api_key) every path but
-OPEN_PATHS needs `Authorization: Bearer <key>`, else 401.
+parameters and prompts that are too long (and for requests h11 cannot parse:
+engine/http_protocol.py), 404 for an unknown model or path, 408 for a body not sent within
+read_timeout, 413 for a body over MAX_BODY_BYTES, 429 when the scheduler's queue is full, 503
+while the server drains or once it stopped, and 500 with a request id for anything nobody
+expected (its traceback goes to the log, never its text to the client). With an API key
+(server.api_key) every path but /health (and /metrics if server.metrics.public) needs
+`Authorization: Bearer <key>`, else 401.
 """
 
 from __future__ import annotations
@@ -19,37 +24,38 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 import socket
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Hashable
 
 import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams
+from meshserve.configs.schema import HttpLimits
 from meshserve.engine.commands import AbortCommand, AddCommand, Inbox
 from meshserve.engine.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, CompletionRequest,
                                               CompletionShapes, LogprobFormatter, OpenAIError, engine_error,
                                               from_request_error, usage_dict)
+from meshserve.engine.http_protocol import limited_protocol
+from meshserve.engine.request_body import MAX_BODY_BYTES, parse_body
+from meshserve.engine.tokenize_pool import TokenizePool
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.validation import RequestError, check_prompt
+from meshserve.engine.validation import MAX_CHARS_PER_TOKEN, RequestError, check_prompt, encode_prompt
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-OPEN_PATHS = ("/health", "/metrics")
-"""Paths that need no API key."""
+TOKENIZER_THREADS = 1
+"""One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
+threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions (chat defaults to the rest of the context)."""
 
@@ -67,6 +73,10 @@ class ClientDisconnected(Exception):
 
 class BodyTooLarge(Exception):
     """A body sent without Content-Length (chunked) grew past MAX_BODY_BYTES while read."""
+
+
+class BodyTimeout(Exception):
+    """The body did not arrive whole within the read timeout."""
 
 
 def bind_socket(address: str) -> socket.socket:
@@ -131,8 +141,11 @@ class HttpFrontend:
     tag = "http"
 
     def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 model_name: str, registry: CollectorRegistry | None = None, api_key: str | None = None):
-        """`api_key`: every path but OPEN_PATHS needs `Authorization: Bearer <api_key>`."""
+                 model_name: str, registry: CollectorRegistry | None = None, api_key: str | None = None,
+                 limits: HttpLimits | None = None, metrics_public: bool = False):
+        """`api_key`: every path but /health (and /metrics if `metrics_public`) needs
+        `Authorization: Bearer <api_key>`."""
+        limits = limits or HttpLimits()
         self.inbox, self.tokenizer = inbox, tokenizer
         self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -147,14 +160,16 @@ class HttpFrontend:
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._loop = asyncio.new_event_loop()
         self._routes: dict[Hashable, tuple[asyncio.Queue, int]] = {}
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="meshserve-tokenize")
+        self._tokenize_pool = TokenizePool(TOKENIZER_THREADS, "meshserve-http-tokenize")
         self._token_text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._responses = Counter("meshserve_http_responses", "HTTP responses by path and status", ["path", "status"],
                                   registry=self.registry)
         self.app = build_app(self)
+        open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
+        app = _CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout)
         self._server = uvicorn.Server(uvicorn.Config(
-            _CountingApp(self.app, self._responses, api_key), log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=5, timeout_keep_alive=30))
+            app, http=limited_protocol(limits.max_connections, limits.read_timeout), log_level="warning",
+            access_log=False, lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=limits.keep_alive))
         self._thread = threading.Thread(target=self._serve, name="meshserve-http", daemon=True)
 
     # ------------------------------------------------------------------ Frontend protocol
@@ -193,7 +208,7 @@ class HttpFrontend:
         else:
             self._sock.close()
             self._loop.close()
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.close()
 
     # ------------------------------------------------------------------ event-loop thread
 
@@ -223,8 +238,9 @@ class HttpFrontend:
             queue, index = route
             queue.put_nowait((index, message))
 
-    async def _in_thread(self, fn, *args):
-        return await self._loop.run_in_executor(self._tokenize_pool, fn, *args)
+    async def _in_thread(self, size: int, fn, *args):
+        """fn(*args) in the tokenize pool (shortest job first, by `size`)."""
+        return await asyncio.wrap_future(self._tokenize_pool.submit(size, fn, *args))
 
     # ------------------------------------------------------------------ handlers
 
@@ -236,36 +252,45 @@ class HttpFrontend:
                               param="model", code="model_not_found")
         req.check_supported()
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        if len(prompt) > 64 * self.max_model_len:
-            raise OpenAIError(400, f"the prompt has {len(prompt)} characters, far more than the model's maximum "
-                                   f"context of {self.max_model_len} tokens", param="prompt",
-                              code="context_length_exceeded")
-        return self.tokenizer.encode(prompt)
+    async def _encode_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, its length checked at once (the next prompt is not tokenized
+        if this one is too long)."""
+        try:
+            ids = prompt if isinstance(prompt, list) else await self._in_thread(
+                len(prompt), encode_prompt, self.tokenizer, prompt, self.max_model_len)
+            check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        except RequestError as e:
+            raise from_request_error(e, "prompt") from None
+        return ids
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if sum(len(m["content"]) for m in messages) > 64 * self.max_model_len:
-            raise OpenAIError(400, f"the messages are far longer than the model's maximum context of "
-                                   f"{self.max_model_len} tokens", param="messages", code="context_length_exceeded")
         try:
             return self.tokenizer.apply_chat_template(messages)
         except Exception as e:  # the template refuses (e.g. roles out of order)
             raise OpenAIError(400, f"the chat template failed: {e}", param="messages") from None
 
-    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+    async def completions(self, raw: Request) -> Response:
+        req = parse_body(await raw.body(), CompletionRequest, self.max_model_len)
         self._check_common(req)
         prompts = req.prompts()
         if len(prompts) * req.n > MAX_N:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_N} samples", param="n")
-        ids = [await self._in_thread(self._encode_prompt, p) for p in prompts]
         max_tokens = req.max_tokens or DEFAULT_COMPLETION_TOKENS
+        params = req.sampling_params(max_tokens, req.logprobs, req.seed)
+        req.check_params(params, self.vocab_size)
+        ids = [await self._encode_prompt(p, params) for p in prompts]
         return await self._generate(req, raw, ids, max_tokens, req.logprobs, CompletionShapes, "prompt")
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat(self, raw: Request) -> Response:
+        req = parse_body(await raw.body(), ChatCompletionRequest, self.max_model_len)
         self._check_common(req)
-        ids = await self._in_thread(self._encode_chat, [m.as_template_input() for m in req.messages])
+        messages = [m.as_template_input() for m in req.messages]
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > MAX_CHARS_PER_TOKEN * self.max_model_len:
+            raise OpenAIError(400, f"the messages have {chars} characters, far more than the model's maximum "
+                                   f"context of {self.max_model_len} tokens", param="messages",
+                              code="context_length_exceeded")
+        ids = await self._in_thread(chars + len(messages), self._encode_chat, messages)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
         return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, ChatShapes, "messages")
 
@@ -421,11 +446,13 @@ async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
 
 
 class _CountingApp:
-    """ASGI wrapper: counts responses by path and status, checks the API key (401), and
-    refuses oversized bodies (413) before anything reads them."""
+    """ASGI wrapper: counts responses by path and status, checks the API key (401), refuses
+    oversized bodies (413) before anything reads them and slow ones (408), and answers an
+    exception nobody handled with a 500 in OpenAI's shape."""
 
-    def __init__(self, app, counter: Counter, api_key: str | None = None):
-        self.app, self.counter = app, counter
+    def __init__(self, app, counter: Counter, api_key: str | None, open_paths: tuple[str, ...],
+                 read_timeout: float):
+        self.app, self.counter, self.open_paths, self.read_timeout = app, counter, open_paths, read_timeout
         self._api_key = None if api_key is None else api_key.encode()
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
@@ -436,14 +463,17 @@ class _CountingApp:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"] if scope["path"] in COUNTED_PATHS else "other"
+        started = False
 
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.counter.labels(path, str(message["status"])).inc()
             await send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self._api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+        if self._api_key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
             err = OpenAIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` with the key of "
                                    "server.api_key", code="invalid_api_key")
             return await JSONResponse(err.body(), err.status, headers={"WWW-Authenticate": "Bearer"})(
@@ -453,76 +483,50 @@ class _CountingApp:
             err = OpenAIError(413, f"the request body has {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
                               code="request_too_large")
             return await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
-        received = 0
+        received, body_done = 0, False
+        deadline = asyncio.get_running_loop().time() + self.read_timeout
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body: only a disconnect can come, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                raise BodyTimeout() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > MAX_BODY_BYTES:
                     raise BodyTooLarge()
+                body_done = not message.get("more_body", False)
             return message
 
-        await self.app(scope, limited_receive, counting_send)
+        try:
+            await self.app(scope, limited_receive, counting_send)
+        except Exception:  # noqa: BLE001 - the app's handler answered and logged it, unless nothing started
+            if not started:
+                request_id = uuid.uuid4().hex
+                log.exception("request %s: internal error", request_id)
+                err = internal_error(request_id)
+                await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
-        return OpenAIError(400, f"the body is not valid JSON: {detail}".rstrip(": "), code="invalid_value")
-    # pydantic names each member of a union it tried (`str`, `list[int]`, ...): not for clients
-    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
-    param = loc[0] if loc else None
-    more = f" ({len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    message = f"{'.'.join(loc)}: {first['msg']}{more}" if loc else f"{first['msg']}{more}"
-    return OpenAIError(400, message, param=param, code="invalid_value")
-
-
-_UNION_TAG = re.compile(r"^(str|int|float|bool|[a-z-]+\[.*\])$")
+def internal_error(request_id: str) -> OpenAIError:
+    return OpenAIError(500, f"internal server error (request id {request_id}; the server log has the details)",
+                       type="server_error", code="internal_error")
 
 
 def build_app(frontend: HttpFrontend) -> FastAPI:
     app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve server")
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError):
-        return JSONResponse(exc.body(), exc.status)
-
-    def _too_large() -> JSONResponse:
-        err = OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
-        return JSONResponse(err.body(), err.status)
-
-    @app.exception_handler(BodyTooLarge)
-    async def _body_too_large(request: Request, exc: BodyTooLarge):
-        return _too_large()
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, exc: ClientDisconnected):
-        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        err = _validation_error(exc)
-        return JSONResponse(err.body(), err.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        if isinstance(exc.__cause__, BodyTooLarge):  # FastAPI wraps errors of the body read in a 400
-            return _too_large()
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
-        return JSONResponse(err.body(), err.status, headers=getattr(exc, "headers", None))
+    install_error_handlers(app)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await frontend.completions(body, request)
+    async def completions(request: Request):
+        return await frontend.completions(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await frontend.chat(body, request)
+    async def chat_completions(request: Request):
+        return await frontend.chat(request)
 
     @app.get("/v1/models")
     async def models():
@@ -538,3 +542,40 @@ def build_app(frontend: HttpFrontend) -> FastAPI:
         return Response(generate_latest(frontend.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape; an unexpected one as a 500 with a request id."""
+
+    def error(err: OpenAIError, headers=None) -> JSONResponse:
+        return JSONResponse(err.body(), err.status, headers=headers)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return error(exc)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(request: Request, exc: BodyTooLarge):
+        return error(OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"))
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, exc: BodyTimeout):
+        return error(OpenAIError(408, "the request body did not arrive whole within the read timeout "
+                                      "(server.http_limits.read_timeout)", code="request_timeout"),
+                     headers={"Connection": "close"})
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        return error(err, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        request_id = uuid.uuid4().hex
+        log.error("request %s: internal error", request_id, exc_info=exc)
+        return error(internal_error(request_id))

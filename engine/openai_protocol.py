@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from meshserve.comm.messages import MAX_LOGPROBS, Completion, Delta, ErrorCode, SamplingParams, TokenLogprob
+from meshserve.comm.messages import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, Completion, Delta, ErrorCode, SamplingParams, TokenLogprob
 from meshserve.engine.validation import RequestError, check_params
 
 MAX_N = 128
@@ -66,7 +66,9 @@ _MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused, and so are coercions: "no" is not a bool, true not a token id."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -77,12 +79,12 @@ class _SamplingRequest(_Strict):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     seed: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -90,11 +92,11 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM's names)
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    """-1 or 0: off."""
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    """-1 or 0: off; at most the vocabulary's size."""
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
     skip_special_tokens: bool = True
 
     def check_supported(self) -> None:
@@ -130,19 +132,21 @@ class _SamplingRequest(_Strict):
         try:
             check_params(params, vocab_size)
         except RequestError as e:
-            param = "min_tokens" if "min_tokens" in e.message else "stop_token_ids"
+            param = next((p for p in ("min_tokens", "top_k") if e.message.startswith(p)), "stop_token_ids")
             raise engine_error(e.code, e.message, param) from None
 
 
-Prompt = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Prompt
+    prompt: Prompt | None = None
+    """Decoded and bounded by request_body.parse_body, which fills it in after validating the
+    other fields: a pydantic union over a million token ids would hold the event loop."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -190,7 +194,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -75,7 +75,8 @@ class Server:
         """The engine cannot go on: report it and wait for the failure reactions (which fail
         every request and end the process; see fail())."""
         failure = self.engine.executor.failure
-        if failure.trigger(f"a step failed: {type(error).__name__}: {error}"):
+        # NOTE: the exception's text is for the log only: clients and /health see this reason
+        if failure.trigger("a step failed with an internal error (the server log has the traceback)"):
             log.exception("the step failed")
         _park()
 

@@ -14,6 +14,8 @@ class RequestError(Exception):
 def check_params(params: SamplingParams, vocab_size: int) -> None:
     if params.min_tokens > params.max_tokens:
         raise RequestError("bad_request", f"min_tokens={params.min_tokens} exceeds max_tokens={params.max_tokens}")
+    if params.top_k > vocab_size:
+        raise RequestError("bad_request", f"top_k={params.top_k} exceeds the vocabulary's {vocab_size} tokens")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise RequestError("bad_request", f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
@@ -39,16 +41,33 @@ def prompt_source(req: GenerateRequest) -> str | list[int]:
     return req.prompt if req.prompt is not None else list(req.prompt_token_ids)
 
 
-def admit(req: GenerateRequest, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
-    """Validate a request and tokenize its prompt (in a frontend's thread); returns the prompt ids."""
-    source = prompt_source(req)
-    check_params(req.params, vocab_size)
-    if isinstance(source, str):
-        if len(source) > 64 * max_model_len:
-            raise RequestError("too_long", f"the prompt has {len(source)} characters, far more than "
-                                           f"the model's maximum context of {max_model_len} tokens")
-        ids = tokenizer.encode(source)
-    else:
-        ids = source
-    check_prompt(ids, req.params, vocab_size, max_model_len)
-    return ids
+MAX_CHARS_PER_TOKEN = 64
+"""A prompt string longer than this many characters per token of context is refused untokenized."""
+PROBE_CHARS_PER_TOKEN = 8
+PROBE_SLACK = 32
+"""A long prompt is refused once its first PROBE_CHARS_PER_TOKEN x context characters alone
+make more than the context plus this many tokens: words are tokenized one by one, so only the
+word the cut splits can come out differently in the whole prompt."""
+
+
+def check_admissible(params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """What can be checked of a request before its prompt is tokenized."""
+    check_params(params, vocab_size)
+    if params.max_tokens >= max_model_len:
+        raise RequestError("too_long", f"this model's maximum context length is {max_model_len} tokens; "
+                                       f"max_tokens={params.max_tokens} leaves no room for a prompt")
+
+
+def encode_prompt(tokenizer, text: str, max_model_len: int) -> list[int]:
+    """Tokenize a prompt string, refusing one far too long for the context cheaply: by its
+    length, then by the tokens of its first part (tokenizing 0.5 M characters takes 0.4-2 s)."""
+    if len(text) > MAX_CHARS_PER_TOKEN * max_model_len:
+        raise RequestError("too_long", f"the prompt has {len(text)} characters, far more than the model's maximum "
+                                       f"context of {max_model_len} tokens")
+    probe = PROBE_CHARS_PER_TOKEN * max_model_len
+    if len(text) > probe:
+        head = len(tokenizer.encode(text[:probe]))
+        if head > max_model_len + PROBE_SLACK:
+            raise RequestError("too_long", f"the prompt's first {probe} characters alone make {head} tokens, more "
+                                           f"than the model's maximum context of {max_model_len} tokens")
+    return tokenizer.encode(text)

@@ -1,11 +1,15 @@
 """The client-facing ZMQ ROUTER socket (the "zmq" frontend), owned by one I/O thread.
 
-The I/O thread decodes and validates each frame, tokenizes prompts, and hands typed
-commands to the step loop through a queue. Replies go the other way through an inproc
-PUSH/PULL pair, so only the I/O thread ever touches the ROUTER socket. A bad frame gets
-an ErrorReply for that frame alone; nothing else is affected.
+The I/O thread decodes each frame once, typed and bounded (comm/messages.py), checks its
+parameters, and hands typed commands to the step loop through a queue. Prompt strings are
+tokenized on a worker pool, shortest first, never on the I/O thread (a 0.5 M-character
+prompt takes a second). Replies go the other way through an inproc PUSH/PULL pair, so only the I/O thread
+ever touches the ROUTER socket. A bad frame gets an ErrorReply for that frame alone;
+nothing else is affected.
 
-With server.secret every frame carries an HMAC tag (comm/auth.py), both ways. A frame that
+With server.secret every frame carries an HMAC tag (comm/auth.py), both ways; with
+server.curve the connection is also CURVE-encrypted (comm/curve.py: a client without the
+secret cannot even connect). A frame that
 does not open with the secret gets an "unauthorized" ErrorReply, unsealed (its sender could
 not read a sealed one), and nothing else: it is never decoded as a request.
 """
@@ -21,10 +25,13 @@ import msgspec
 import zmq
 
 from meshserve.comm.auth import TAG_BYTES, DropLog, FrameAuth
-from meshserve.comm.messages import AbortRequest, ErrorCode, ErrorReply, GenerateRequest, client_decoder, encoder
+from meshserve.comm.curve import CurveAuthenticator, make_curve_server
+from meshserve.comm.messages import (AbortRequest, Delta, ErrorCode, ErrorReply, GenerateRequest, Usage,
+                                     client_decoder, encoder)
 from meshserve.engine.commands import AbortCommand, AddCommand, Inbox
+from meshserve.engine.tokenize_pool import TokenizePool
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.validation import RequestError, admit
+from meshserve.engine.validation import RequestError, check_admissible, check_prompt, encode_prompt, prompt_source
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +39,24 @@ MAX_REQUEST_BYTES = 16 << 20
 """A larger frame gets a too_long error reply."""
 MAX_FRAME_BYTES = 256 << 20
 """ZeroMQ drops a connection that sends a frame larger than this (no reply is possible)."""
+TOKENIZER_THREADS = 1
+"""One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
+threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
+
+
+class _RequestId(msgspec.Struct):
+    """The one field read from a frame that failed validation, for its error reply (every
+    other field is skipped, never built: a frame of 16 M empty arrays costs nothing)."""
+
+    request_id: str | None = None
 
 
 class ZmqFrontend:
     tag = "zmq"
 
     def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 secret: str | None = None):
+                 secret: str | None = None, curve: bool = False):
+        """`curve`: CURVE-encrypt client connections with keys derived from `secret`."""
         self.address = address
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.inbox = inbox
@@ -53,18 +71,27 @@ class ZmqFrontend:
         self._router = self._ctx.socket(zmq.ROUTER)  # used by the I/O thread only, after start()
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._router.setsockopt(zmq.LINGER, 1000)
+        self._curve: CurveAuthenticator | None = None
         try:
+            if curve:
+                if secret is None:
+                    raise ValueError("CURVE for clients needs the shared secret")
+                self._curve = CurveAuthenticator(self._ctx, secret)
+                make_curve_server(self._router, secret, "client", self._curve)
             self._router.bind(address)
         except zmq.ZMQError as e:
-            self._router.close(linger=0)
-            self._push.close(linger=0)
-            self._ctx.term()
+            self._close_sockets()
             raise OSError(f"server.zmq={address}: cannot bind ({e})") from None
         if address.startswith("tcp://") and address.endswith(":0"):
             self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._failed: queue.SimpleQueue = queue.SimpleQueue()
-        """(identity, ErrorReply) to send from the I/O thread: fail() may run on any thread."""
+        """(identity, reply) to send from the I/O thread: fail() and the tokenizer pool run on
+        other threads."""
+        self._tokenize_pool = TokenizePool(TOKENIZER_THREADS, "meshserve-zmq-tokenize")
+        self._tokenizing: dict[Hashable, bool] = {}
+        """Keys of requests in the tokenizer pool -> aborted meanwhile (I/O thread and pool)."""
+        self._id_decoder = msgspec.msgpack.Decoder(_RequestId)
         self.error: BaseException | None = None
         """Set if the I/O thread died; the step loop then stops the server."""
         self._thread = threading.Thread(target=self._io_thread, name="meshserve-frontend", daemon=True)
@@ -91,9 +118,15 @@ class ZmqFrontend:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self._tokenize_pool.close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         if not self._router.closed:  # the I/O thread never ran, or died
             self._router.close(linger=0)
         self._push.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()
         self._ctx.term()
 
     # ------------------------------------------------------------------ I/O thread
@@ -174,40 +207,71 @@ class ZmqFrontend:
             return
         try:
             msg = decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._reply_error(identity, _guess_request_id(payload), "bad_request", f"malformed message: {e}")
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+            detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            self._reply_error(identity, self._request_id(payload), "bad_request", f"malformed message: {detail}")
             return
+        key = (self.tag, identity, msg.request_id)
         if isinstance(msg, AbortRequest):
-            self.inbox.put(AbortCommand((self.tag, identity, msg.request_id)))
+            if key in self._tokenizing:
+                self._tokenizing[key] = True
+            else:
+                self.inbox.put(AbortCommand(key))
             return
         try:
-            self.inbox.put(self._admit(identity, msg))
+            if not self.accepting:
+                raise RequestError("unavailable", "the server is shutting down and accepts no new requests")
+            if key in self._tokenizing:
+                raise RequestError("duplicate_id", f"request_id {msg.request_id!r} is already running")
+            source = prompt_source(msg)
+            check_admissible(msg.params, self.vocab_size, self.max_model_len)
         except RequestError as e:
             self._reply_error(identity, msg.request_id, e.code, e.message)
-        except Exception as e:  # a tokenizer failure must not kill the I/O thread
-            log.exception("request %s failed validation", msg.request_id)
-            self._reply_error(identity, msg.request_id, "internal", f"{type(e).__name__}: {e}")
+            return
+        if isinstance(source, str):
+            self._tokenizing[key] = False
+            self._tokenize_pool.submit(len(source), self._tokenize, key, msg, source)
+        else:
+            self._admit(key, msg, source)
+
+    def _tokenize(self, key: Hashable, req: GenerateRequest, prompt: str) -> None:
+        """In the tokenizer pool; replies go out through the I/O thread."""
+        try:
+            ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
+        except RequestError as e:
+            self._tokenizing.pop(key, None)
+            self._failed.put((key[1], ErrorReply(req.request_id, e.code, e.message)))
+            return
+        except Exception:  # a tokenizer failure must not kill the pool's thread
+            self._tokenizing.pop(key, None)
+            log.exception("request %s: tokenizing its prompt failed", req.request_id)
+            self._failed.put((key[1], ErrorReply(req.request_id, "internal", "internal error while tokenizing the "
+                                                 "prompt (the server log has the details)")))
+            return
+        if self._tokenizing.pop(key, False):  # aborted while tokenizing
+            self._failed.put((key[1], Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
+            return
+        self._admit(key, req, ids)
+
+    def _admit(self, key: Hashable, req: GenerateRequest, ids: list[int]) -> None:
+        try:
+            check_prompt(ids, req.params, self.vocab_size, self.max_model_len)
+        except RequestError as e:
+            self._failed.put((key[1], ErrorReply(req.request_id, e.code, e.message)))
+            return
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream))
 
     def _refuse(self, identity: bytes, frame: bytes | None, what: str) -> None:
         self._refused("refused an unauthenticated client frame (%s)", what)
         # the request id, if the frame is a request sent without the secret or with another one
-        request_id = None if frame is None else _guess_request_id(frame) or _guess_request_id(frame[:-TAG_BYTES])
+        request_id = None if frame is None else self._request_id(frame) or self._request_id(frame[:-TAG_BYTES])
         self._reply_error(identity, request_id, "unauthorized",
                           "the frame is not authenticated: this server needs its shared secret (server.secret; "
                           "Client(..., secret=...))", sealed=False)
 
-    def _admit(self, identity: bytes, req: GenerateRequest) -> AddCommand:
-        if not self.accepting:
-            raise RequestError("unavailable", "the server is shutting down and accepts no new requests")
-        ids = admit(req, self.tokenizer, self.vocab_size, self.max_model_len)
-        return AddCommand((self.tag, identity, req.request_id), req.request_id, ids, req.params, req.stream)
-
-
-def _guess_request_id(payload: bytes) -> str | None:
-    """The request_id of a frame that failed validation, if it has one, for the error reply."""
-    try:
-        obj = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    rid = obj.get("request_id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, str) else None
+    def _request_id(self, payload: bytes) -> str | None:
+        """The request_id of a frame that failed validation, if it has one, for the error reply."""
+        try:
+            return self._id_decoder.decode(payload).request_id
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return None

@@ -9,7 +9,7 @@ import sys
 import time
 
 from meshserve.configs.memory import MemoryPlan
-from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.model_info import ModelInfo, served_name
 from meshserve.configs.schema import Config
 from meshserve.engine.engine import Engine
 from meshserve.engine.commands import Frontend, Inbox
@@ -43,7 +43,7 @@ class ServeMode:
     def prepare(self, config: Config, tokenizer: Tokenizer, info: ModelInfo, memory: MemoryPlan) -> None:
         self.config, self.info = config, info
         self.frontend = ZmqFrontend(config.server.zmq, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
-                                    secret=config.server.secret)
+                                    secret=config.server.secret, curve=config.server.curve)
         if config.server.http is None:
             return
         from meshserve.engine.http_frontend import HttpFrontend  # FastAPI and uvicorn only when served
@@ -52,8 +52,9 @@ class ServeMode:
         self.metrics = EngineMetrics()
         try:
             self.http = HttpFrontend(config.server.http, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
-                                     config.server.model_name or config.model.path, self.metrics.registry,
-                                     api_key=config.server.api_key)
+                                     config.server.model_name or served_name(config.model.path),
+                                     self.metrics.registry, api_key=config.server.api_key,
+                                     limits=config.server.http_limits, metrics_public=config.server.metrics.public)
         except OSError:
             self.frontend.close()
             raise

@@ -29,7 +29,8 @@ from meshserve.client import Client
 from support.checkpoints import smollm2_tokenizer
 from support.server import MeshserveProcess, free_port
 
-MODEL = "builtin:smollm2-135m-instruct"
+MODEL = "smollm2-135m-instruct"
+"""The name the server gives model.path=builtin:smollm2-135m-instruct (its default)."""
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 8
 MAX_WAITING = 8
@@ -261,7 +262,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "max_token": 3}, 400, "max_token", "invalid_value"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "invalid_value"),
-    ("/v1/completions", {"prompt": []}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty", "unsupported_parameter"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter"),
