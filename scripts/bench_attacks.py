@@ -3,8 +3,9 @@ normal request's first token, per attack kind, against a real `meshserve serve`.
 
 A prober sends normal requests back to back (HTTP, max_tokens=1, so a reply is the first
 token) and a /health probe; each attack is sent while they run. Per kind it prints the
-attack's status and time, the server's CPU-seconds for it (every process of the deployment,
-from /proc), and the worst probe latency during the attack minus the median with no attack.
+attack's status and time (medians of the rounds), the server's CPU-seconds for it (every
+process of the deployment, from /proc, less what the probes cost without an attack), and the
+worst probe latency during the attack minus the median with no attack (worst of the rounds).
 Then it sends 2,000 bad requests and prints the deployment's RSS before and after. Writes
 everything to results/bench_attacks.json.
 
@@ -29,6 +30,8 @@ from pathlib import Path
 import httpx
 import msgspec
 import zmq
+
+from meshserve.configs.cpu_features import cpu_features
 
 REPO = Path(__file__).resolve().parent.parent
 MIB16 = 16 << 20
@@ -210,8 +213,10 @@ def measure(dep: Deployment, rounds: int, max_model_len: int) -> dict:
     attacks: dict[str, object] = {**http_attacks(max_model_len), **zmq_attacks(max_model_len)}
     results: dict[str, list[dict]] = {name: [] for name in attacks}
     with httpx.Client(timeout=600) as client, Prober(dep.url) as prober:
+        cpu0 = dep.cpu_seconds()
         time.sleep(5)  # the baseline
         base_ttft, base_health = prober.median("ttft"), prober.median("health")
+        base_cpu = (dep.cpu_seconds() - cpu0) / 5  # the probes' own work, per second
         for _ in range(rounds):
             for name, attack in attacks.items():
                 time.sleep(1)
@@ -226,10 +231,12 @@ def measure(dep: Deployment, rounds: int, max_model_len: int) -> dict:
                 time.sleep(0.5)  # the probe in flight at the end finishes
                 worst_ttft, worst_health = prober.worst("ttft", start, end), prober.worst("health", start, end)
                 results[name].append({
-                    "outcome": outcome, "seconds": end - start, "server_cpu_seconds": dep.cpu_seconds() - cpu0,
+                    "outcome": outcome, "seconds": end - start,
+                    "server_cpu_seconds": dep.cpu_seconds() - cpu0 - base_cpu * (time.monotonic() - start),
                     "worst_ttft_delay": None if worst_ttft is None else worst_ttft - base_ttft,
                     "worst_health_seconds": worst_health})
-    return {"baseline_ttft_seconds": base_ttft, "baseline_health_seconds": base_health, "attacks": results}
+    return {"baseline_ttft_seconds": base_ttft, "baseline_health_seconds": base_health,
+            "baseline_cpu_per_second": base_cpu, "attacks": results}
 
 
 def rss_after_bad_requests(dep: Deployment, count: int) -> dict:
@@ -258,12 +265,15 @@ def main() -> None:
     dep = Deployment(args.overrides, args.out.with_suffix(".log"))
     try:
         dep.wait()
-        report = {"overrides": args.overrides, **measure(dep, args.rounds, args.max_model_len),
+        report = {"cpu": cpu_features().describe(), "overrides": args.overrides,
+                  **measure(dep, args.rounds, args.max_model_len),
                   "rss": rss_after_bad_requests(dep, args.bad_requests), "alive": dep.proc.poll() is None}
     finally:
         dep.stop()
+    print(f"{report['cpu']}; {' '.join(args.overrides) or 'default config'}")
     print(f"baseline first token {report['baseline_ttft_seconds'] * 1000:.0f} ms, /health "
-          f"{report['baseline_health_seconds'] * 1000:.0f} ms (medians)")
+          f"{report['baseline_health_seconds'] * 1000:.0f} ms (medians); 'cpu s' is the deployment's CPU time "
+          f"for the attack beyond the probes' own; delays and /health are the worst of {args.rounds} rounds")
     print(f"{'attack':44s} {'outcome':>14s} {'took s':>7s} {'cpu s':>6s} {'worst TTFT delay s':>19s} "
           f"{'worst /health s':>16s}")
     for name, runs in report["attacks"].items():
