@@ -17,32 +17,43 @@ import msgspec
 from msgspec import Meta, Struct
 
 INT32_MAX = (1 << 31) - 1
-NonNegInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
-"""Counts: bounded, so no plan built from a request can overflow an encoder or a kernel."""
-TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
 MAX_PROMPT_TOKENS = 1 << 20
 """Token ids in one prompt (a frame's limit; the model's context is checked at admission)."""
 MAX_PROMPT_CHARS = 16 << 20
 
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
+# The bounds of a request's numbers, declared once: the msgspec types here use them, and so
+# do the HTTP request models (engine/serving/openai_protocol.py, through pydantic Fields).
+# Every count is below 2**31, so no plan built from a request can overflow an encoder or a kernel.
+COUNT = Meta(ge=0, le=INT32_MAX)
+MAX_TOKENS = Meta(ge=1, le=INT32_MAX)
+TEMPERATURE = Meta(ge=0.0, le=100.0)
+TOP_P = Meta(gt=0.0, le=1.0)
+SEED = Meta(ge=0, le=(1 << 63) - 1)
+LOGPROBS = Meta(ge=0, le=MAX_LOGPROBS)
+STOP_STRINGS = Meta(max_length=MAX_STOP_STRINGS)
+STOP_TOKEN_IDS = Meta(max_length=64)
+
+NonNegInt = Annotated[int, COUNT]
+TokenId = Annotated[int, COUNT]
 
 
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Per-request sampling. Defaults follow OpenAI/vLLM (temperature 1, no top-k/p)."""
 
-    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 16
+    max_tokens: Annotated[int, MAX_TOKENS] = 16
     min_tokens: NonNegInt = 0
-    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, TEMPERATURE] = 1.0
+    top_p: Annotated[float, TOP_P] = 1.0
     top_k: NonNegInt = 0
     """0 disables top-k."""
-    seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
-    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=MAX_STOP_STRINGS)] = []
+    seed: Annotated[int, SEED] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], STOP_STRINGS] = []
     """Strings that end generation; they are not part of the output."""
-    stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = []
+    stop_token_ids: Annotated[list[TokenId], STOP_TOKEN_IDS] = []
     ignore_eos: bool = False
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, LOGPROBS] | None = None
     """None: no logprobs; n >= 0: the sampled token's logprob plus the top n."""
     skip_special_tokens: bool = True
 

@@ -24,7 +24,7 @@ from meshserve.engine.plan import PlanBuilder
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.validation import RequestError
+from meshserve.engine.admission import RequestError
 
 
 @dataclass
@@ -45,7 +45,7 @@ class EngineStats:
 
 class EngineObserver(Protocol):
     """Hooks for metrics, called on the step loop's thread. The engine imports none of
-    what implements them (engine/metrics.py does, for Prometheus)."""
+    what implements them (engine/serving/metrics.py does, for Prometheus)."""
 
     def on_scheduled(self, batch: ScheduledBatch) -> None:
         """A step was scheduled (its sequences, and any preempted for it)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meshserve.comm.messages import Completion, SamplingParams
 from meshserve.engine.engine import Engine
-from meshserve.engine.validation import check_params, check_prompt
+from meshserve.engine.admission import check_params, check_prompt
 
 
 def generate(engine: Engine, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:

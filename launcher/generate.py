@@ -8,7 +8,7 @@ import sys
 from meshserve.comm.messages import SamplingParams
 from meshserve.engine.engine import Engine
 from meshserve.engine.offline import generate
-from meshserve.engine.validation import RequestError
+from meshserve.engine.admission import RequestError
 
 
 class GenerateMode:

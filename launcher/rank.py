@@ -23,7 +23,7 @@ from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import MemoryPlan, stage_layers
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
-from meshserve.engine.calibration import calibration_ids
+from meshserve.engine.build import build_engine, build_runner
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import DistributedExecutor, LocalExecutor
 from meshserve.engine.model_runner import ModelRunner
@@ -155,9 +155,7 @@ def _drive_world(config, info, memory, env, mode: DriverMode, groups, tokenizer,
         monitor = _monitor(config, groups, channel.session, failure, **where)
         broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
     log.info("building the model: %s", _model_line(config, info, groups))
-    runner = ModelRunner(info, memory, groups, _device(config, env), show_progress=True,
-                         layer_counts=stage_layers(config, info), kernels=config.device.kernels, cpu_isa=config.device.cpu_isa,
-                         compile_decode=config.device.compile, calibration=calibration_ids(config, info, tokenizer))
+    runner = build_runner(config, info, memory, groups, _device(config, env), tokenizer, show_progress=True)
     _say_kernels(config, env, runner)
     if channel is None:
         executor = LocalExecutor(runner, failure)
@@ -168,8 +166,7 @@ def _drive_world(config, info, memory, env, mode: DriverMode, groups, tokenizer,
         _watch(groups, failure, monitor)
         failure.on_failure(monitor.abort)
     failure.on_failure(_exit_after(DRIVER_EXIT_BACKSTOP_S))
-    engine = Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
-                    micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context)
+    engine = build_engine(config, info, memory, executor, tokenizer)
     try:
         return mode.run(engine)
     finally:
@@ -187,9 +184,7 @@ def _follow(config, info, memory, env, groups) -> None:
     addresses = broadcast_text(None, src=0).split()
     channel = WorkerChannel(" ".join(addresses[:2]), env.global_rank, secret=config.server.secret)
     log.info("rank %d: building the model: %s", env.global_rank, _model_line(config, info, groups))
-    runner = ModelRunner(info, memory, groups, _device(config, env), layer_counts=stage_layers(config, info),
-                         kernels=config.device.kernels, cpu_isa=config.device.cpu_isa, compile_decode=config.device.compile,
-                         calibration=calibration_ids(config, info))
+    runner = build_runner(config, info, memory, groups, _device(config, env))
     _say_kernels(config, env, runner)
     channel.handshake(config.cluster.handshake_timeout)
     failure = FailureSignal()

@@ -12,9 +12,9 @@ from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.model_info import ModelInfo, served_name
 from meshserve.configs.schema import Config
 from meshserve.engine.engine import Engine
-from meshserve.engine.commands import Frontend, Inbox
-from meshserve.engine.server import Server
-from meshserve.engine.zmq_frontend import ZmqFrontend
+from meshserve.engine.serving.commands import Frontend, Inbox
+from meshserve.engine.serving.server import Server
+from meshserve.engine.serving.zmq_frontend import ZmqFrontend
 from meshserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("meshserve")
@@ -35,7 +35,7 @@ class ServeMode:
         self.inbox = Inbox()
         self.frontend: ZmqFrontend | None = None
         self.http = None
-        """The HTTP frontend (engine/http_frontend.py), unless server.http is null."""
+        """The HTTP frontend (engine/serving/http_frontend.py), unless server.http is null."""
         self.metrics = None
         self.config: Config | None = None
         self.info: ModelInfo | None = None
@@ -46,8 +46,8 @@ class ServeMode:
                                     secret=config.server.secret, curve=config.server.curve)
         if config.server.http is None:
             return
-        from meshserve.engine.http_frontend import HttpFrontend  # FastAPI and uvicorn only when served
-        from meshserve.engine.metrics import EngineMetrics
+        from meshserve.engine.serving.http_frontend import HttpFrontend  # FastAPI and uvicorn only when served
+        from meshserve.engine.serving.metrics import EngineMetrics
 
         self.metrics = EngineMetrics()
         try:
@@ -62,7 +62,7 @@ class ServeMode:
     def run(self, engine: Engine) -> int:
         frontends: list[Frontend] = [self.frontend]
         if self.http is not None:
-            from meshserve.engine.metrics import serving_metrics
+            from meshserve.engine.serving.metrics import serving_metrics
 
             m = self.config.server.metrics
             serving_metrics(self.info, self.config.torch_dtype_name, self.config.device.type, self.config.world_size,

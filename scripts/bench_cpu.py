@@ -38,7 +38,7 @@ from meshserve.configs import load_config
 from meshserve.configs.memory import DTYPE_BYTES, plan_memory
 from meshserve.configs.model_info import resolve_model_path
 from meshserve.configs.validate import check_config
-from meshserve.engine.bootstrap import build_single_rank_engine
+from meshserve.engine.build import build_single_rank_engine
 from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
 
 HERE = Path(__file__).resolve().parent

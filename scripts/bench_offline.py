@@ -22,7 +22,7 @@ from meshserve.comm.messages import SamplingParams
 from meshserve.configs import load_config
 from meshserve.configs.memory import DTYPE_BYTES, plan_memory
 from meshserve.configs.validate import check_config
-from meshserve.engine.bootstrap import build_single_rank_engine
+from meshserve.engine.build import build_single_rank_engine
 from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -324,7 +324,7 @@ def section_model(args, roof) -> dict:
     from meshserve.configs import load_config
     from meshserve.configs.memory import DTYPE_BYTES, plan_memory
     from meshserve.configs.validate import check_config
-    from meshserve.engine.bootstrap import build_single_rank_engine
+    from meshserve.engine.build import build_single_rank_engine
     from meshserve.engine.offline import generate
     from meshserve.engine.perf import ModelCost
 

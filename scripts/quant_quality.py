@@ -31,7 +31,7 @@ from meshserve.comm.messages import SamplingParams
 from meshserve.configs import load_config
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
-from meshserve.engine.bootstrap import build_single_rank_engine
+from meshserve.engine.build import build_single_rank_engine
 from meshserve.engine.offline import generate
 
 HERE = Path(__file__).resolve().parent

@@ -33,7 +33,7 @@ from meshserve.comm.heartbeat import Heartbeat
 from meshserve.comm.messages import (ErrorReply, GenerateRequest, RankStats, Ready, SamplingParams, StepPlan,
                                      StepResult, TokenLogprob, client_decoder, control_decoder, encoder,
                                      server_decoder)
-from meshserve.engine.zmq_frontend import MAX_REQUEST_BYTES
+from meshserve.engine.serving.zmq_frontend import MAX_REQUEST_BYTES
 from meshserve.launcher.cli import main
 from support.checkpoints import make_checkpoint
 from support.server import MeshserveProcess, free_port

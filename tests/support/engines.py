@@ -8,7 +8,7 @@ import torch
 from meshserve.configs import load_config
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
-from meshserve.engine.bootstrap import build_single_rank_engine
+from meshserve.engine.build import build_single_rank_engine
 
 
 def make_engine(path, *overrides):

@@ -31,8 +31,8 @@ from meshserve.comm.heartbeat import Heartbeat, HeartbeatMonitor
 from meshserve.comm.messages import (Delta, ErrorReply, GenerateRequest, RankStats, StepPlan, StepResult,
                                      TokenLogprob, Usage, encoder, server_decoder)
 from meshserve.comm.step_results import ExpectedResult
-from meshserve.engine.commands import AddCommand, Inbox
-from meshserve.engine.zmq_frontend import ZmqFrontend
+from meshserve.engine.serving.commands import AddCommand, Inbox
+from meshserve.engine.serving.zmq_frontend import ZmqFrontend
 
 SECRET = "correct horse battery staple"
 

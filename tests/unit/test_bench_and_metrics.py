@@ -14,7 +14,7 @@ from meshserve.client.bench_data import load_jsonl
 from meshserve.client.bench_stats import RequestResult, summarize
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs.model_info import read_model_info
-from meshserve.engine.metrics import EngineMetrics, Roofline
+from meshserve.engine.serving.metrics import EngineMetrics, Roofline
 from meshserve.engine.perf import ModelCost
 from meshserve.engine.scheduler import ScheduledBatch
 from meshserve.engine.sequence import Sequence
@@ -77,7 +77,7 @@ class Clock:
 
 def test_engine_metrics_follow_one_request(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("meshserve.engine.metrics.time.monotonic", clock)
+    monkeypatch.setattr("meshserve.engine.serving.metrics.time.monotonic", clock)
     m = EngineMetrics()
     info = read_model_info("builtin:smollm2-135m-instruct")
     cost = ModelCost(info, 4)

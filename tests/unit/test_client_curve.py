@@ -14,8 +14,8 @@ from meshserve.client import Client, RequestTimeout
 from meshserve.comm.messages import Delta, Usage
 from meshserve.configs import load_config
 from meshserve.configs.validate import client_security_problems
-from meshserve.engine.commands import AddCommand, Inbox
-from meshserve.engine.zmq_frontend import ZmqFrontend
+from meshserve.engine.serving.commands import AddCommand, Inbox
+from meshserve.engine.serving.zmq_frontend import ZmqFrontend
 from support.server import free_port
 
 SECRET = "curve-test-secret-0123456789abcdef"

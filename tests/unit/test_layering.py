@@ -3,7 +3,8 @@
     configs <- comm <- parallel <- layers <- engine <- launcher
 
 A package imports meshserve.X only for X to its left or itself; `client` imports only
-`comm` and itself; `configs` and `client` never import torch; nothing unpickles; layers
+`comm` and itself; the engine core (engine/*) never imports the serving front
+(engine/serving/), and only the serving front imports the web stack; `configs` and `client` never import torch; nothing unpickles; layers
 receive their groups instead of asking torch.distributed; only the launcher reads the
 environment.
 """
@@ -100,6 +101,36 @@ def test_layering_check_sees_real_imports():
             if mod.startswith("meshserve.")}
     assert {("engine", "layers"), ("layers", "comm"), ("launcher", "configs"), ("client", "comm"),
             ("parallel", "comm")} <= seen
+
+
+SERVING = "meshserve.engine.serving"
+WEB_STACK = {"fastapi", "starlette", "uvicorn", "h11", "prometheus_client"}
+
+
+def _serving_rule_violations(srcs) -> list[str]:
+    """The engine core importing the serving front, or anything outside it the web stack."""
+    bad = []
+    for src in srcs:
+        in_serving = src.module == SERVING or src.module.startswith(SERVING + ".")
+        for line, mod in imported_modules(src):
+            if src.package == "engine" and not in_serving and (mod == SERVING or mod.startswith(SERVING + ".")):
+                bad.append(f"{src.rel}:{line}: the engine core imports the serving front ({mod})")
+            if mod.split(".")[0] in WEB_STACK and not in_serving:
+                bad.append(f"{src.rel}:{line}: imports {mod} outside engine/serving/")
+    return bad
+
+
+def test_the_engine_core_imports_nothing_of_the_serving_front():
+    assert not _serving_rule_violations(sources()), "\n".join(_serving_rule_violations(sources()))
+    assert any(src.module.startswith(SERVING + ".") for src in sources())
+
+
+def test_serving_rule_detector_works():
+    core = Source("engine", ROOT / "engine" / "x.py", "meshserve.engine.x",
+                  ast.parse("from meshserve.engine.serving.server import Server\nimport fastapi\n"))
+    front = Source("engine", ROOT / "engine" / "serving" / "y.py", "meshserve.engine.serving.y",
+                   ast.parse("import fastapi\nfrom meshserve.engine.engine import Engine\n"))
+    assert len(_serving_rule_violations([core, front])) == 2
 
 
 @pytest.mark.parametrize("package", ["configs", "client"])
@@ -235,3 +266,28 @@ def test_only_the_launcher_reads_the_environment():
     assert not bad, "only launcher/ reads environment variables (STYLE.md):\n" + "\n".join(bad)
     # and the detector does see the launcher's own reads
     assert any(env_uses(src) for src in sources() if src.package == "launcher")
+
+
+def _constructions(trees, names: set[str]) -> list[str]:
+    """Calls of the classes in `names` (by their bare name or as an attribute)."""
+    found = []
+    for rel, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+                if name in names:
+                    found.append(f"{rel}:{node.lineno}: {name}(...)")
+    return found
+
+
+def test_one_builder_assembles_every_engine():
+    """engine/build.py is the only place that constructs a ModelRunner or an Engine: the
+    launcher, the scripts and the tests call its functions."""
+    trees = [(s.rel, s.tree) for s in sources()]
+    for folder in ("scripts", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            trees.append((str(path.relative_to(ROOT)), ast.parse(path.read_text(), filename=str(path))))
+    found = _constructions(trees, {"ModelRunner", "Engine"})
+    assert found and all(f.startswith("engine/build.py:") for f in found), "\n".join(found)
+    assert _constructions([("x.py", ast.parse("Engine(a)\nm.ModelRunner(b)\n"))], {"ModelRunner", "Engine"})

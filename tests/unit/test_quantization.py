@@ -89,7 +89,7 @@ def test_int8_activation_head_matches_the_math_on_quantized_inputs(rows):
 
 @pytest.mark.parametrize("dtype,kind", [("bfloat16", Int8DynamicMatmul), ("float32", Int8Matmul)])
 def test_int4_models_head_takes_int8_inputs_only_in_bf16(tiny_checkpoints, dtype, kind):
-    from meshserve.engine.bootstrap import build_single_rank_engine
+    from meshserve.engine.build import build_single_rank_engine
 
     config = load_config(None, [f"model.path={tiny_checkpoints['llama-untied']}", f"model.dtype={dtype}",
                                 "model.quantization=int4", "model.max_model_len=64"])
@@ -139,7 +139,7 @@ def test_smollm2_int4_and_w8a8_perplexity_and_greedy_stay_close(smollm2):
     other's runner-up by at most a bf16 rounding step of the logits (here "The" and token 60
     tie at 25.375 under int4 when attention rounds a little differently, and in the
     unquantized bf16 run on an AVX2 machine)."""
-    from meshserve.engine.bootstrap import build_single_rank_engine
+    from meshserve.engine.build import build_single_rank_engine
     from meshserve.comm.messages import SamplingParams
     from meshserve.engine.offline import generate
 

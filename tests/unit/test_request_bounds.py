@@ -18,10 +18,10 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.comm.messages import SamplingParams
-from meshserve.engine.http_frontend import _CountingApp, install_error_handlers
-from meshserve.engine.openai_protocol import MAX_N, ChatCompletionRequest, CompletionRequest, OpenAIError
-from meshserve.engine.request_body import MAX_FIELD_BYTES, parse_body
-from meshserve.engine.validation import PROBE_CHARS_PER_TOKEN, RequestError, encode_prompt
+from meshserve.engine.serving.http_frontend import _CountingApp, install_error_handlers
+from meshserve.engine.serving.openai_protocol import MAX_N, ChatCompletionRequest, CompletionRequest, OpenAIError
+from meshserve.engine.serving.request_body import MAX_FIELD_BYTES, parse_body
+from meshserve.engine.admission import PROBE_CHARS_PER_TOKEN, RequestError, encode_prompt
 from support.engines import make_engine
 
 MAX_MODEL_LEN = 256
@@ -144,7 +144,7 @@ def test_a_request_the_ranks_cannot_be_sent_fails_alone(tiny_checkpoints):
 
 
 def test_the_tokenize_pool_runs_the_shortest_waiting_job_first():
-    from meshserve.engine.tokenize_pool import TokenizePool
+    from meshserve.engine.serving.tokenize_pool import TokenizePool
 
     pool = TokenizePool(1)
     gate, order = threading.Event(), []

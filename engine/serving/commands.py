@@ -1,23 +1,33 @@
 """What frontends hand the step loop, and what the step loop expects of a frontend.
 
-A request key is a tuple whose first item names the frontend that owns the request
-("zmq", "http", ...); the step loop sends every reply for that key back through it.
+A request's key (RequestKey) names the frontend that owns it ("zmq", "http", ...), the
+client within that frontend, and the request's id; the step loop sends every reply for the
+key back through that frontend. The engine core sees keys as opaque hashables.
 """
 
 from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
-from typing import Hashable, Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 
 from meshserve.comm.messages import SamplingParams
 
 
+class RequestKey(NamedTuple):
+    frontend: str
+    """The tag of the frontend that owns the request."""
+    client: bytes | str
+    """Who asked, within that frontend: a ZMQ DEALER's identity, or the HTTP request's id."""
+    request_id: str
+    """The request's id as its client knows it (HTTP: one per sample, "<id>-<index>")."""
+
+
 @dataclass(frozen=True)
 class AddCommand:
-    key: Hashable
+    key: RequestKey
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -26,7 +36,7 @@ class AddCommand:
 
 @dataclass(frozen=True)
 class AbortCommand:
-    key: Hashable
+    key: RequestKey
 
 
 Command = AddCommand | AbortCommand
@@ -46,13 +56,13 @@ class Frontend(Protocol):
 
     def start(self) -> None: ...
 
-    def send(self, key: Hashable, message: msgspec.Struct) -> None:
+    def send(self, key: RequestKey, message: msgspec.Struct) -> None:
         """Deliver a Delta or ErrorReply to the client behind `key` (called by the step loop)."""
 
-    def send_all(self, replies: list[tuple[Hashable, msgspec.Struct]]) -> None:
+    def send_all(self, replies: list[tuple[RequestKey, msgspec.Struct]]) -> None:
         """send() each (key, message) of one step, in order (called by the step loop)."""
 
-    def fail(self, keys: list[Hashable], message: str) -> None:
+    def fail(self, keys: list[RequestKey], message: str) -> None:
         """From any thread, once the engine is dead: send each of `keys` an `unavailable`
         error, stop accepting, and report the failure (an HTTP /health of 503)."""
 

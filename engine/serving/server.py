@@ -11,8 +11,8 @@ from typing import NoReturn
 
 from meshserve.comm.messages import ErrorReply
 from meshserve.engine.engine import Engine
-from meshserve.engine.commands import AbortCommand, AddCommand, Command, Frontend, Inbox
-from meshserve.engine.validation import RequestError
+from meshserve.engine.serving.commands import AbortCommand, AddCommand, Command, Frontend, Inbox
+from meshserve.engine.admission import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +28,13 @@ class Server:
         self.stop_requested = threading.Event()
 
     def send(self, key, message) -> None:
-        self.frontends[key[0]].send(key, message)
+        self.frontends[key.frontend].send(key, message)
 
     def send_all(self, replies: list) -> None:
         """A step's (key, message) replies, to each frontend in one batch."""
         batches: dict[str, list] = {}
         for key, message in replies:
-            batches.setdefault(key[0], []).append((key, message))
+            batches.setdefault(key.frontend, []).append((key, message))
         for tag, batch in batches.items():
             self.frontends[tag].send_all(batch)
 
@@ -98,7 +98,7 @@ class Server:
                 keys.add(cmd.key)
         by_frontend: dict[str, list] = {}
         for key in keys:
-            by_frontend.setdefault(key[0], []).append(key)
+            by_frontend.setdefault(key.frontend, []).append(key)
         for tag, frontend in self.frontends.items():
             frontend.fail(by_frontend.get(tag, []), message)
 

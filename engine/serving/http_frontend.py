@@ -2,7 +2,7 @@
 event loop in a thread of its own.
 
 A handler reads the body (MAX_BODY_BYTES, within read_timeout), validates it with every size
-bounded before it is parsed (engine/request_body.py), tokenizes on a worker pool (off the
+bounded before it is parsed (request_body.py), tokenizes on a worker pool (off the
 event loop; each prompt's length is checked as soon as it is tokenized), then puts one
 AddCommand per sample (prompts x n) into the step loop's inbox. The
 step loop replies through `send()` from its own thread; `send()` hands each message to
@@ -11,7 +11,7 @@ belongs to. A client that disconnects, streaming or not, gets its engine request
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters and prompts that are too long (and for requests h11 cannot parse:
-engine/http_protocol.py), 404 for an unknown model or path, 408 for a body not sent within
+http_protocol.py), 404 for an unknown model or path, 408 for a body not sent within
 read_timeout, 413 for a body over MAX_BODY_BYTES, 429 when the scheduler's queue is full, 503
 while the server drains or once it stopped, and 500 with a request id for anything nobody
 expected (its traceback goes to the log, never its text to the client). With an API key
@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from functools import lru_cache
-from typing import Any, Hashable
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -40,15 +40,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams
 from meshserve.configs.schema import HttpLimits
-from meshserve.engine.commands import AbortCommand, AddCommand, Inbox
-from meshserve.engine.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, CompletionRequest,
+from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
+from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, CompletionRequest,
                                               CompletionShapes, LogprobFormatter, OpenAIError, engine_error,
                                               from_request_error, usage_dict)
-from meshserve.engine.http_protocol import limited_protocol
-from meshserve.engine.request_body import MAX_BODY_BYTES, parse_body
-from meshserve.engine.tokenize_pool import TokenizePool
+from meshserve.engine.serving.http_protocol import limited_protocol
+from meshserve.engine.serving.request_body import MAX_BODY_BYTES, parse_body
+from meshserve.engine.serving.tokenize_pool import TokenizePool
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.validation import MAX_CHARS_PER_TOKEN, RequestError, check_prompt, encode_prompt
+from meshserve.engine.admission import MAX_CHARS_PER_TOKEN, RequestError, check_prompt, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,16 @@ class _Samples:
     def __init__(self, frontend: "HttpFrontend", request_id: str):
         self.frontend, self.request_id = frontend, request_id
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.keys: list[Hashable] = []
+        self.keys: list[RequestKey] = []
         self.finished: set[int] = set()
         self._closed = False
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> None:
         index = len(self.keys)
-        key = (HttpFrontend.tag, self.request_id, index)
+        key = RequestKey(HttpFrontend.tag, self.request_id, f"{self.request_id}-{index}")
         self.keys.append(key)
         self.frontend._routes[key] = (self.queue, index)
-        self.frontend.inbox.put(AddCommand(key, f"{self.request_id}-{index}", prompt_ids, params, stream))
+        self.frontend.inbox.put(AddCommand(key, key.request_id, prompt_ids, params, stream))
 
     def done(self, index: int, msg: Any) -> bool:
         """Whether `msg` ends sample `index`."""
@@ -159,7 +159,7 @@ class HttpFrontend:
         host, port = self._sock.getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._loop = asyncio.new_event_loop()
-        self._routes: dict[Hashable, tuple[asyncio.Queue, int]] = {}
+        self._routes: dict[RequestKey, tuple[asyncio.Queue, int]] = {}
         self._tokenize_pool = TokenizePool(TOKENIZER_THREADS, "meshserve-http-tokenize")
         self._token_text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._responses = Counter("meshserve_http_responses", "HTTP responses by path and status", ["path", "status"],
@@ -177,11 +177,11 @@ class HttpFrontend:
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, key: Hashable, message: msgspec.Struct) -> None:
+    def send(self, key: RequestKey, message: msgspec.Struct) -> None:
         """Hand a reply to the event loop (called from the step loop's thread)."""
         self.send_all([(key, message)])
 
-    def send_all(self, replies: list[tuple[Hashable, msgspec.Struct]]) -> None:
+    def send_all(self, replies: list[tuple[RequestKey, msgspec.Struct]]) -> None:
         """Hand a step's replies to the event loop in one wake-up: each call_soon_threadsafe
         writes to the loop's self-pipe, which per reply took ~3% of the step loop's time at 32
         streams (py-spy on `meshserve serve` under `meshserve bench`)."""
@@ -190,7 +190,7 @@ class HttpFrontend:
         except RuntimeError:  # the loop is closed: the server is stopping, nobody is listening
             pass
 
-    def fail(self, keys: list[Hashable], message: str) -> None:
+    def fail(self, keys: list[RequestKey], message: str) -> None:
         """The engine is dead: /health answers 503, new requests are refused, and every
         waiting handler gets an `unavailable` error (any thread)."""
         self.failure = message
@@ -224,11 +224,11 @@ class HttpFrontend:
         finally:
             self._loop.close()
 
-    def _deliver_all(self, replies: list[tuple[Hashable, Any]]) -> None:
+    def _deliver_all(self, replies: list[tuple[RequestKey, Any]]) -> None:
         for key, message in replies:
             self._deliver(key, message)
 
-    def _deliver(self, key: Hashable, message: Any) -> None:
+    def _deliver(self, key: RequestKey | None, message: Any) -> None:
         if key is None:  # close(): whoever still waits gets an error instead of hanging
             for queue, index in list(self._routes.values()):
                 queue.put_nowait((index, ErrorReply(None, "unavailable", "the server stopped")))

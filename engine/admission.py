@@ -1,4 +1,6 @@
-"""Checks of one client request, turned into an error reply for that request only."""
+"""Admission: the checks of one request against the model, the same for every frontend (and
+for offline generation). A failed check is a RequestError for that request only, naming the
+parameter it is about; frontends turn it into their error reply."""
 
 from __future__ import annotations
 
@@ -6,38 +8,43 @@ from meshserve.comm.messages import ErrorCode, GenerateRequest, SamplingParams
 
 
 class RequestError(Exception):
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None):
+        """`param`: the request field the error is about (OpenAI's `param`), if one is."""
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.param = code, message, param
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
     if params.min_tokens > params.max_tokens:
-        raise RequestError("bad_request", f"min_tokens={params.min_tokens} exceeds max_tokens={params.max_tokens}")
+        raise RequestError("bad_request", f"min_tokens={params.min_tokens} exceeds max_tokens={params.max_tokens}",
+                           "min_tokens")
     if params.top_k > vocab_size:
-        raise RequestError("bad_request", f"top_k={params.top_k} exceeds the vocabulary's {vocab_size} tokens")
+        raise RequestError("bad_request", f"top_k={params.top_k} exceeds the vocabulary's {vocab_size} tokens", "top_k")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
-        raise RequestError("bad_request", f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+        raise RequestError("bad_request", f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})",
+                           "stop_token_ids")
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     if not prompt_ids:
-        raise RequestError("bad_request", "the prompt is empty")
+        raise RequestError("bad_request", "the prompt is empty", "prompt")
     bad = [t for t in prompt_ids if t >= vocab_size]
     if bad:
-        raise RequestError("bad_request", f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+        raise RequestError("bad_request", f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
+                           "prompt")
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise RequestError(
             "too_long",
             f"this model's maximum context length is {max_model_len} tokens; the request asks for "
             f"{len(prompt_ids) + params.max_tokens} ({len(prompt_ids)} in the prompt, max_tokens={params.max_tokens})",
+            "prompt",
         )
 
 
 def prompt_source(req: GenerateRequest) -> str | list[int]:
     if (req.prompt is None) == (req.prompt_token_ids is None):
-        raise RequestError("bad_request", "give exactly one of prompt and prompt_token_ids")
+        raise RequestError("bad_request", "give exactly one of prompt and prompt_token_ids", "prompt")
     return req.prompt if req.prompt is not None else list(req.prompt_token_ids)
 
 
@@ -55,7 +62,7 @@ def check_admissible(params: SamplingParams, vocab_size: int, max_model_len: int
     check_params(params, vocab_size)
     if params.max_tokens >= max_model_len:
         raise RequestError("too_long", f"this model's maximum context length is {max_model_len} tokens; "
-                                       f"max_tokens={params.max_tokens} leaves no room for a prompt")
+                                       f"max_tokens={params.max_tokens} leaves no room for a prompt", "max_tokens")
 
 
 def encode_prompt(tokenizer, text: str, max_model_len: int) -> list[int]:
@@ -63,11 +70,11 @@ def encode_prompt(tokenizer, text: str, max_model_len: int) -> list[int]:
     length, then by the tokens of its first part (tokenizing 0.5 M characters takes 0.4-2 s)."""
     if len(text) > MAX_CHARS_PER_TOKEN * max_model_len:
         raise RequestError("too_long", f"the prompt has {len(text)} characters, far more than the model's maximum "
-                                       f"context of {max_model_len} tokens")
+                                       f"context of {max_model_len} tokens", "prompt")
     probe = PROBE_CHARS_PER_TOKEN * max_model_len
     if len(text) > probe:
         head = len(tokenizer.encode(text[:probe]))
         if head > max_model_len + PROBE_SLACK:
             raise RequestError("too_long", f"the prompt's first {probe} characters alone make {head} tokens, more "
-                                           f"than the model's maximum context of {max_model_len} tokens")
+                                           f"than the model's maximum context of {max_model_len} tokens", "prompt")
     return tokenizer.encode(text)

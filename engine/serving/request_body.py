@@ -23,7 +23,7 @@ from msgspec import Meta
 from pydantic import BaseModel, ValidationError
 
 from meshserve.comm.messages import TokenId
-from meshserve.engine.openai_protocol import MAX_N, OpenAIError
+from meshserve.engine.serving.openai_protocol import MAX_N, OpenAIError
 
 MAX_BODY_BYTES = 16 << 20
 MAX_FIELD_BYTES = 64 << 10

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Hashable
 
 import msgspec
 import zmq
@@ -28,10 +27,10 @@ from meshserve.comm.auth import TAG_BYTES, DropLog, FrameAuth
 from meshserve.comm.curve import CurveAuthenticator, make_curve_server
 from meshserve.comm.messages import (AbortRequest, Delta, ErrorCode, ErrorReply, GenerateRequest, Usage,
                                      client_decoder, encoder)
-from meshserve.engine.commands import AbortCommand, AddCommand, Inbox
-from meshserve.engine.tokenize_pool import TokenizePool
+from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
+from meshserve.engine.serving.tokenize_pool import TokenizePool
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.validation import RequestError, check_admissible, check_prompt, encode_prompt, prompt_source
+from meshserve.engine.admission import RequestError, check_admissible, check_prompt, encode_prompt, prompt_source
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ class ZmqFrontend:
         """(identity, reply) to send from the I/O thread: fail() and the tokenizer pool run on
         other threads."""
         self._tokenize_pool = TokenizePool(TOKENIZER_THREADS, "meshserve-zmq-tokenize")
-        self._tokenizing: dict[Hashable, bool] = {}
+        self._tokenizing: dict[RequestKey, bool] = {}
         """Keys of requests in the tokenizer pool -> aborted meanwhile (I/O thread and pool)."""
         self._id_decoder = msgspec.msgpack.Decoder(_RequestId)
         self.error: BaseException | None = None
@@ -99,20 +98,20 @@ class ZmqFrontend:
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, key: Hashable, message: msgspec.Struct) -> None:
+    def send(self, key: RequestKey, message: msgspec.Struct) -> None:
         """Queue a reply to the client behind `key` (called from the step loop)."""
-        identity = key[1]
+        identity = key.client
         self._push.send_multipart([identity, self._auth.seal(self._encoder.encode(message))])
 
-    def send_all(self, replies: list[tuple[Hashable, msgspec.Struct]]) -> None:
+    def send_all(self, replies: list[tuple[RequestKey, msgspec.Struct]]) -> None:
         for key, message in replies:
             self.send(key, message)
 
-    def fail(self, keys: list[Hashable], message: str) -> None:
+    def fail(self, keys: list[RequestKey], message: str) -> None:
         """Answer each of `keys` with an `unavailable` error (any thread; the I/O thread sends)."""
         self.accepting = False
         for key in keys:
-            self._failed.put((key[1], ErrorReply(key[2], "unavailable", message)))
+            self._failed.put((key.client, ErrorReply(key.request_id, "unavailable", message)))
 
     def close(self) -> None:
         self._stop.set()
@@ -211,7 +210,7 @@ class ZmqFrontend:
             detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             self._reply_error(identity, self._request_id(payload), "bad_request", f"malformed message: {detail}")
             return
-        key = (self.tag, identity, msg.request_id)
+        key = RequestKey(self.tag, identity, msg.request_id)
         if isinstance(msg, AbortRequest):
             if key in self._tokenizing:
                 self._tokenizing[key] = True
@@ -234,30 +233,30 @@ class ZmqFrontend:
         else:
             self._admit(key, msg, source)
 
-    def _tokenize(self, key: Hashable, req: GenerateRequest, prompt: str) -> None:
+    def _tokenize(self, key: RequestKey, req: GenerateRequest, prompt: str) -> None:
         """In the tokenizer pool; replies go out through the I/O thread."""
         try:
             ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
         except RequestError as e:
             self._tokenizing.pop(key, None)
-            self._failed.put((key[1], ErrorReply(req.request_id, e.code, e.message)))
+            self._failed.put((key.client, ErrorReply(req.request_id, e.code, e.message)))
             return
         except Exception:  # a tokenizer failure must not kill the pool's thread
             self._tokenizing.pop(key, None)
             log.exception("request %s: tokenizing its prompt failed", req.request_id)
-            self._failed.put((key[1], ErrorReply(req.request_id, "internal", "internal error while tokenizing the "
+            self._failed.put((key.client, ErrorReply(req.request_id, "internal", "internal error while tokenizing the "
                                                  "prompt (the server log has the details)")))
             return
         if self._tokenizing.pop(key, False):  # aborted while tokenizing
-            self._failed.put((key[1], Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
+            self._failed.put((key.client, Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
             return
         self._admit(key, req, ids)
 
-    def _admit(self, key: Hashable, req: GenerateRequest, ids: list[int]) -> None:
+    def _admit(self, key: RequestKey, req: GenerateRequest, ids: list[int]) -> None:
         try:
             check_prompt(ids, req.params, self.vocab_size, self.max_model_len)
         except RequestError as e:
-            self._failed.put((key[1], ErrorReply(req.request_id, e.code, e.message)))
+            self._failed.put((key.client, ErrorReply(req.request_id, e.code, e.message)))
             return
         self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream))
 

@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from meshserve.comm.messages import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, Completion, Delta, ErrorCode, SamplingParams, TokenLogprob
-from meshserve.engine.validation import RequestError, check_params
+from meshserve.comm import messages as bounds
+from meshserve.comm.messages import Completion, Delta, ErrorCode, SamplingParams, TokenLogprob
+from meshserve.engine.admission import RequestError, check_params
 
 MAX_N = 128
 """Most samples (n x prompts) one HTTP request may ask for."""
@@ -55,14 +56,20 @@ def engine_error(code: ErrorCode, message: str, param: str | None = None) -> Ope
 
 
 def from_request_error(e: RequestError, prompt_param: str) -> OpenAIError:
-    param = prompt_param if e.code == "too_long" or "prompt" in e.message else None
-    return engine_error(e.code, e.message, param)
+    """`prompt_param`: what the prompt is called in this request ("prompt", or "messages")."""
+    return engine_error(e.code, e.message, prompt_param if e.param == "prompt" else e.param)
 
 
 _MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)")
 
 
 # ---------------------------------------------------------------- requests
+
+
+def field(meta: msgspec.Meta):
+    """The pydantic Field of a bound declared once as msgspec Meta (comm/messages.py)."""
+    keys = ("ge", "gt", "le", "lt", "min_length", "max_length")
+    return Field(**{k: getattr(meta, k) for k in keys if getattr(meta, k) is not None})
 
 
 class _Strict(BaseModel):
@@ -79,12 +86,12 @@ class _SamplingRequest(_Strict):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    max_tokens: Annotated[int, field(bounds.MAX_TOKENS)] | None = None
+    temperature: Annotated[float, field(bounds.TEMPERATURE)] | None = None
+    top_p: Annotated[float, field(bounds.TOP_P)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, field(bounds.SEED)] | None = None
+    stop: str | Annotated[list[str], field(bounds.STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -92,11 +99,11 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM's names)
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=bounds.COUNT.le)] | None = None
     """-1 or 0: off; at most the vocabulary's size."""
-    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    min_tokens: Annotated[int, field(bounds.COUNT)] = 0
     ignore_eos: bool = False
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, field(bounds.COUNT)]], field(bounds.STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
 
     def check_supported(self) -> None:
@@ -132,8 +139,7 @@ class _SamplingRequest(_Strict):
         try:
             check_params(params, vocab_size)
         except RequestError as e:
-            param = next((p for p in ("min_tokens", "top_k") if e.message.startswith(p)), "stop_token_ids")
-            raise engine_error(e.code, e.message, param) from None
+            raise engine_error(e.code, e.message, e.param) from None
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -143,7 +149,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt | None = None
     """Decoded and bounded by request_body.parse_body, which fills it in after validating the
     other fields: a pydantic union over a million token ids would hold the event loop."""
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, field(bounds.LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -193,8 +199,8 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    top_logprobs: Annotated[int, field(bounds.LOGPROBS)] | None = None
+    max_completion_tokens: Annotated[int, field(bounds.MAX_TOKENS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

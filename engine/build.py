@@ -1,0 +1,51 @@
+"""The one way to assemble a rank's share of an engine from a validated config: the
+launcher, offline generation, the scripts and the tests all call these.
+
+    runner = build_runner(config, info, memory, groups, device, tokenizer)   # every rank
+    engine = build_engine(config, info, memory, executor, tokenizer)         # the driver
+    engine = build_single_rank_engine(config, info, memory)                  # both, world size 1
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshserve.configs.memory import MemoryPlan, stage_layers
+from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.schema import Config
+from meshserve.engine.calibration import calibration_ids
+from meshserve.engine.engine import Engine
+from meshserve.engine.executor import Executor, LocalExecutor
+from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.tokenizer import Tokenizer
+from meshserve.parallel.topology import Groups
+
+
+def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str,
+                 tokenizer: Tokenizer | None = None, show_progress: bool = False) -> ModelRunner:
+    """This rank's shard of the model, its KV cache and its kernels. `tokenizer`: for w8a8's
+    calibration prompts (a rank without one reads them from the model's files)."""
+    device_cfg = config.device
+    return ModelRunner(info, memory, groups, device, show_progress=show_progress,
+                       layer_counts=stage_layers(config, info), kernels=device_cfg.kernels, cpu_isa=device_cfg.cpu_isa,
+                       compile_decode=device_cfg.compile, calibration=calibration_ids(config, info, tokenizer))
+
+
+def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: Executor,
+                 tokenizer: Tokenizer) -> Engine:
+    """The driver's engine over `executor` (the ranks, or this process alone)."""
+    return Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
+                  micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context)
+
+
+def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan, *, threads: int | None = None,
+                             show_progress: bool = False) -> Engine:
+    """World size 1, in this process (offline generation, scripts, tests)."""
+    if config.world_size != 1:
+        raise ValueError(f"a single-rank engine for a config of world size {config.world_size}: "
+                         f"`meshserve serve` starts its ranks")
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = Tokenizer(info, config.model.tokenizer)
+    runner = build_runner(config, info, memory, Groups.single(), config.device.type, tokenizer, show_progress)
+    return build_engine(config, info, memory, LocalExecutor(runner), tokenizer)
