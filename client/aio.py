@@ -9,12 +9,10 @@ from collections.abc import AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
-from meshserve.client.errors import MeshserveError, RequestTimeout
-from meshserve.client.frames import open_reply
+from meshserve.client.errors import RequestTimeout
+from meshserve.client.frames import Wire, check_new, delivered, ends
 from meshserve.client.request import make_request
-from meshserve.comm.auth import FrameAuth
-from meshserve.comm.curve import make_curve_client
-from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
+from meshserve.comm.messages import Completion, Delta
 
 
 class AsyncClient:
@@ -23,16 +21,11 @@ class AsyncClient:
         """`secret`: the server's shared secret (server.secret), if it has one. `curve`: the
         server has server.curve (CURVE-encrypted connections; needs `secret`)."""
         self.address, self.timeout = address, timeout
-        self._auth = FrameAuth(secret, "client")
+        self._wire = Wire(secret, curve)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if curve:
-            if secret is None:
-                raise ValueError("curve=True needs the server's secret: the CURVE keys are derived from it")
-            make_curve_client(self._sock, secret, "client")
+        self._wire.setup(self._sock)
         self._sock.connect(address)
-        self._encoder, self._decoder = encoder(), server_decoder()
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 
@@ -42,11 +35,9 @@ class AsyncClient:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         req = make_request(prompt, request_id=request_id, stream=stream, **params)
-        if req.request_id in self._queues:
-            raise MeshserveError("duplicate_id", f"request_id {req.request_id!r} is already in flight on this client",
-                                 req.request_id)
+        check_new(req.request_id, self._queues)
         self._queues[req.request_id] = asyncio.Queue()
-        await self._sock.send(self._auth.seal(self._encoder.encode(req)))
+        await self._sock.send(self._wire.request(req))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
         if stream:
             return deltas
@@ -59,7 +50,7 @@ class AsyncClient:
         """Ask the server to stop `request_id`. Never blocks: with no server connected (it is
         down, or refused the handshake) there is nothing to stop."""
         try:
-            await self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))), zmq.NOBLOCK)
+            await self._sock.send(self._wire.abort(request_id), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -72,11 +63,8 @@ class AsyncClient:
                     msg = await asyncio.wait_for(queue.get(), timeout)
                 except asyncio.TimeoutError:
                     raise RequestTimeout(request_id, timeout) from None
-                if isinstance(msg, ErrorReply):
-                    finished = True
-                    raise MeshserveError(msg.code, msg.message, msg.request_id)
-                finished = msg.finish_reason is not None
-                yield msg
+                finished = ends(msg)
+                yield delivered(msg)
                 if finished:
                     return
         finally:
@@ -86,7 +74,7 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         while True:
-            msg = open_reply(self._auth, self._decoder, await self._sock.recv())
+            msg = self._wire.read(await self._sock.recv())
             if msg.request_id is None:  # an error for a frame the server could not read: tell everyone
                 for q in self._queues.values():
                     q.put_nowait(msg)

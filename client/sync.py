@@ -11,11 +11,9 @@ from collections.abc import Iterator, Sequence
 import zmq
 
 from meshserve.client.errors import MeshserveError, RequestTimeout
-from meshserve.client.frames import open_reply
+from meshserve.client.frames import Wire, check_new, delivered, ends
 from meshserve.client.request import make_request
-from meshserve.comm.auth import FrameAuth
-from meshserve.comm.curve import make_curve_client
-from meshserve.comm.messages import AbortRequest, Completion, Delta, ErrorReply, encoder, server_decoder
+from meshserve.comm.messages import Completion, Delta, ErrorReply
 
 
 class Client:
@@ -25,16 +23,11 @@ class Client:
         the server's shared secret (server.secret), if it has one. `curve`: the server has
         server.curve (CURVE-encrypted connections; needs `secret`)."""
         self.address, self.timeout = address, timeout
-        self._auth = FrameAuth(secret, "client")
+        self._wire = Wire(secret, curve)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if curve:
-            if secret is None:
-                raise ValueError("curve=True needs the server's secret: the CURVE keys are derived from it")
-            make_curve_client(self._sock, secret, "client")
+        self._wire.setup(self._sock)
         self._sock.connect(address)
-        self._encoder, self._decoder = encoder(), server_decoder()
         self._pending: dict[str, collections.deque] = {}
 
     def generate(self, prompt: str | Sequence[int], *, stream: bool = False, timeout: float | None = None,
@@ -45,11 +38,9 @@ class Client:
         Deltas, the last with finish_reason and usage. Raises MeshserveError on an error
         reply and RequestTimeout (after aborting) when the server stays silent."""
         req = make_request(prompt, request_id=request_id, stream=stream, **params)
-        if req.request_id in self._pending:
-            raise MeshserveError("duplicate_id", f"request_id {req.request_id!r} is already in flight on this client",
-                                 req.request_id)
+        check_new(req.request_id, self._pending)
         self._pending[req.request_id] = collections.deque()
-        self._sock.send(self._auth.seal(self._encoder.encode(req)))
+        self._sock.send(self._wire.request(req))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
         if stream:
             return deltas
@@ -62,7 +53,7 @@ class Client:
         """Ask the server to stop `request_id`. Never blocks: with no server connected (it is
         down, or refused the handshake) there is nothing to stop."""
         try:
-            self._sock.send(self._auth.seal(self._encoder.encode(AbortRequest(request_id))), zmq.NOBLOCK)
+            self._sock.send(self._wire.abort(request_id), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -71,11 +62,8 @@ class Client:
         try:
             while True:
                 msg = self._next(request_id, timeout)
-                if isinstance(msg, ErrorReply):
-                    finished = True
-                    raise MeshserveError(msg.code, msg.message, msg.request_id)
-                finished = msg.finish_reason is not None
-                yield msg
+                finished = ends(msg)
+                yield delivered(msg)
                 if finished:
                     return
         finally:
@@ -90,7 +78,7 @@ class Client:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._sock.poll(None if wait is None else int(wait * 1000)):
                 raise RequestTimeout(request_id, timeout)
-            msg = open_reply(self._auth, self._decoder, self._sock.recv())
+            msg = self._wire.read(self._sock.recv())
             if msg.request_id is None and isinstance(msg, ErrorReply):
                 raise MeshserveError(msg.code, msg.message)
             if msg.request_id in self._pending:

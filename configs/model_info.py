@@ -51,15 +51,22 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
-    def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer: attention, MLP and the two norms."""
+        h, i = self.hidden_size, self.intermediate_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
-        embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_hidden_layers * per_layer + h
+        return per_layer
+
+    @property
+    def num_parameters(self) -> int:
+        """The layers, the embedding, the LM head (unless tied) and the final norm."""
+        h = self.hidden_size
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_hidden_layers * self.layer_parameters + h
 
 
 def resolve_model_path(path: str) -> Path:

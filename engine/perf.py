@@ -77,8 +77,9 @@ class ModelCost:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step."""
-        head = self.info.vocab_size * self.info.hidden_size
-        layers = self.matmul_params - head
+        i = self.info
+        head = i.vocab_size * i.hidden_size
+        layers = i.num_hidden_layers * i.layer_parameters + i.hidden_size  # and the final norm
         return int(layers * matmul_bytes_per_param(self.quantization, self.dtype_bytes)
                    + head * matmul_bytes_per_param(head_quantization(self.quantization), self.dtype_bytes))
 

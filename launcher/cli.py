@@ -7,7 +7,6 @@ anything heavy starts, so mistakes fail in a second with the numbers in the mess
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 

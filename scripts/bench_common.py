@@ -4,6 +4,7 @@ measurements back as JSON."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -35,6 +36,19 @@ def run_configuration(script: Path, overrides: list[str], extra_args: list[str])
         cmd = [sys.executable, str(script), "--rank-of", json.dumps(overrides), "--result", result.name, *extra_args]
         subprocess.run(cmd, check=True)
         return json.loads(Path(result.name).read_text())
+
+
+def add_rank_args(ap) -> None:
+    """The internal flags of one configuration's run (run_configuration passes them)."""
+    ap.add_argument("--rank-of", help=argparse.SUPPRESS)
+    ap.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def enter_rank_if_asked(script: Path, args, mode_cls) -> None:
+    """Called as one configuration's run (--rank-of): run it (or be one of its ranks) and exit."""
+    if args.rank_of:
+        sys.exit(rank_entry(script, sys.argv[1:], json.loads(args.rank_of), args.as_rank, mode_cls(args)))
 
 
 def rank_entry(script: Path, argv: list[str], overrides: list[str], as_rank: bool, mode) -> int:

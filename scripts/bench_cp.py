@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import DriverMode, add_batch, random_prompts, rank_entry, run_configuration
+from bench_common import DriverMode, add_batch, random_prompts, add_rank_args, enter_rank_if_asked, run_configuration
 
 HERE = Path(__file__).resolve().parent
 
@@ -127,9 +127,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output", default="results/bench_cp.json")
     ap.add_argument("--cases", nargs="+", default=["smollm2:8000", "long:32000"])
-    ap.add_argument("--rank-of", help=argparse.SUPPRESS)
-    ap.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
+    add_rank_args(ap)
     ap.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -138,9 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.probe:
         sys.exit(probe_ring(args))
-    if args.rank_of:
-        sys.exit(rank_entry(HERE / "bench_cp.py", sys.argv[1:], json.loads(args.rank_of), args.as_rank,
-                            PrefillMode(args)))
+    enter_rank_if_asked(HERE / "bench_cp.py", args, PrefillMode)
 
     cores = len(os.sched_getaffinity(0))
     report = []

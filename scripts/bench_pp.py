@@ -14,11 +14,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from bench_common import DriverMode, add_batch, random_prompts, rank_entry, run_configuration
+from bench_common import DriverMode, add_batch, random_prompts, add_rank_args, enter_rank_if_asked, run_configuration
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,13 +68,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default="results/bench_pp.json")
-    ap.add_argument("--rank-of", help=argparse.SUPPRESS)
-    ap.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
+    add_rank_args(ap)
     args = ap.parse_args()
-    if args.rank_of:
-        sys.exit(rank_entry(HERE / "bench_pp.py", sys.argv[1:], json.loads(args.rank_of), args.as_rank,
-                            OccupancyMode(args)))
+    enter_rank_if_asked(HERE / "bench_pp.py", args, OccupancyMode)
 
     cores = len(os.sched_getaffinity(0))
     extra = ["--batch", str(args.batch), "--dtype", args.dtype, "--prompt-len", str(args.prompt_len),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import DriverMode, add_batch, random_prompts, rank_entry, run_configuration
+from bench_common import DriverMode, add_batch, random_prompts, add_rank_args, enter_rank_if_asked, run_configuration
 from meshserve.configs.model_info import resolve_model_path
 
 HERE = Path(__file__).resolve().parent
@@ -122,14 +122,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--output", default="results/bench_tp.json")
-    # internal: one meshserve configuration (its config overrides as JSON), run through the launcher
-    ap.add_argument("--rank-of", help=argparse.SUPPRESS)
-    ap.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
+    add_rank_args(ap)
     args = ap.parse_args()
-    if args.rank_of:
-        sys.exit(rank_entry(HERE / "bench_tp.py", sys.argv[1:], json.loads(args.rank_of), args.as_rank,
-                            BenchMode(args)))
+    enter_rank_if_asked(HERE / "bench_tp.py", args, BenchMode)
 
     if args.model == "smollm2":
         args.model_path = resolve_model_path("builtin:smollm2-135m-instruct")

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
