@@ -78,3 +78,13 @@ def encode_prompt(tokenizer, text: str, max_model_len: int) -> list[int]:
             raise RequestError("too_long", f"the prompt's first {probe} characters alone make {head} tokens, more "
                                            f"than the model's maximum context of {max_model_len} tokens", "prompt")
     return tokenizer.encode(text)
+
+
+def admit_prompt(tokenizer, prompt: str | list[int], params: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> list[int]:
+    """A request's prompt as token ids that fit the model with its parameters: tokenized if it
+    is text (on a frontend's tokenize pool: it may take a second), checked either way. The one
+    admission of a prompt, for every frontend."""
+    ids = encode_prompt(tokenizer, prompt, max_model_len) if isinstance(prompt, str) else prompt
+    check_prompt(ids, params, vocab_size, max_model_len)
+    return ids

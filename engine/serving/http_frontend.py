@@ -48,7 +48,7 @@ from meshserve.engine.serving.http_protocol import limited_protocol
 from meshserve.engine.serving.request_body import MAX_BODY_BYTES, parse_body
 from meshserve.engine.serving.tokenize_pool import TokenizePool
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.admission import MAX_CHARS_PER_TOKEN, RequestError, check_prompt, encode_prompt
+from meshserve.engine.admission import MAX_CHARS_PER_TOKEN, RequestError, admit_prompt, check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +256,9 @@ class HttpFrontend:
         """The prompt's token ids, its length checked at once (the next prompt is not tokenized
         if this one is too long)."""
         try:
-            ids = prompt if isinstance(prompt, list) else await self._in_thread(
-                len(prompt), encode_prompt, self.tokenizer, prompt, self.max_model_len)
-            check_prompt(ids, params, self.vocab_size, self.max_model_len)
+            args = (self.tokenizer, prompt, params, self.vocab_size, self.max_model_len)
+            ids = admit_prompt(*args) if isinstance(prompt, list) else await self._in_thread(
+                len(prompt), admit_prompt, *args)
         except RequestError as e:
             raise from_request_error(e, "prompt") from None
         return ids

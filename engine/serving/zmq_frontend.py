@@ -30,7 +30,7 @@ from meshserve.comm.messages import (AbortRequest, Delta, ErrorCode, ErrorReply,
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
 from meshserve.engine.serving.tokenize_pool import TokenizePool
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.admission import RequestError, check_admissible, check_prompt, encode_prompt, prompt_source
+from meshserve.engine.admission import RequestError, admit_prompt, check_admissible, prompt_source
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class ZmqFrontend:
     def _tokenize(self, key: RequestKey, req: GenerateRequest, prompt: str) -> None:
         """In the tokenizer pool; replies go out through the I/O thread."""
         try:
-            ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
+            ids = admit_prompt(self.tokenizer, prompt, req.params, self.vocab_size, self.max_model_len)
         except RequestError as e:
             self._tokenizing.pop(key, None)
             self._failed.put((key.client, ErrorReply(req.request_id, e.code, e.message)))
@@ -250,13 +250,14 @@ class ZmqFrontend:
         if self._tokenizing.pop(key, False):  # aborted while tokenizing
             self._failed.put((key.client, Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
             return
-        self._admit(key, req, ids)
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream))
 
     def _admit(self, key: RequestKey, req: GenerateRequest, ids: list[int]) -> None:
+        """A request of token ids, on the I/O thread (checking them is cheap)."""
         try:
-            check_prompt(ids, req.params, self.vocab_size, self.max_model_len)
+            admit_prompt(self.tokenizer, ids, req.params, self.vocab_size, self.max_model_len)
         except RequestError as e:
-            self._failed.put((key.client, ErrorReply(req.request_id, e.code, e.message)))
+            self._reply_error(key.client, req.request_id, e.code, e.message)
             return
         self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream))
 
