@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from meshserve.layers.attention import AttentionMetadata
+from meshserve.layers.attention import PagedMetadata
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,13 @@ WARM_UP_WIDTH = 3
 the two dynamic sizes get separate symbols."""
 
 
-def _mark_dynamic(input_ids, positions, meta: AttentionMetadata, batch_dynamic: bool) -> None:
-    torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
-    if meta.decode_mask is not None:
-        torch._dynamo.mark_dynamic(meta.decode_mask, 3)
+def _mark_dynamic(input_ids, positions, meta: PagedMetadata, batch_dynamic: bool) -> None:
+    batch, width = meta.dynamic_tensors()
+    for tensor, dim in width:
+        torch._dynamo.mark_dynamic(tensor, dim)
     if batch_dynamic:
-        for tensor in (input_ids, positions, meta.slot_mapping, meta.decode_rows, meta.decode_block_tables,
-                       meta.decode_mask, meta.decode_lens):
-            if tensor is not None:
-                torch._dynamo.mark_dynamic(tensor, 0)
+        for tensor in (input_ids, positions, *batch):
+            torch._dynamo.mark_dynamic(tensor, 0)
 
 
 class CompiledDecode:
@@ -60,17 +58,12 @@ class CompiledDecode:
 
     @staticmethod
     def applies(meta) -> bool:
-        """Only steps where every sequence decodes one token."""
-        return isinstance(meta, AttentionMetadata) and not meta.prefills and meta.decode_rows is not None
+        """Only steps where every sequence decodes one token (the torch and cpu backends'
+        metadata)."""
+        return isinstance(meta, PagedMetadata) and meta.decode_only
 
-    def __call__(self, input_ids, positions, kv_caches, meta: AttentionMetadata, hidden=None, residual=None):
-        # NOTE: the compiled graph plans its own buffers; the eager path's kept gather
-        # buffers would be traced as inputs and guarded on.
-        meta.workspace = None
-        if meta.decode_block_tables.shape[1] == 1:
-            meta.decode_block_tables = torch.cat([meta.decode_block_tables, meta.decode_block_tables], dim=1)
-            if meta.decode_mask is not None:
-                meta.decode_mask = torch.cat([meta.decode_mask, torch.zeros_like(meta.decode_mask)], dim=3)
+    def __call__(self, input_ids, positions, kv_caches, meta: PagedMetadata, hidden=None, residual=None):
+        meta.for_graph()
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = self._compiled(input_ids, positions, kv_caches, meta, hidden, residual)
@@ -94,7 +87,7 @@ class CompiledDecode:
         for batch in (1, 2):
             meta = backend.build_metadata([1] * batch, [length] * batch, [[0] * WARM_UP_WIDTH] * batch, block_size,
                                           device)
-            meta.workspace = None
+            meta.for_graph()
             ids = torch.zeros(batch, dtype=torch.long, device=device)
             positions = torch.full((batch,), length - 1, dtype=torch.long, device=device)
             _mark_dynamic(ids, positions, meta, batch_dynamic=batch > 1)

@@ -6,10 +6,8 @@ immutable plans. The server's step loop and offline `generate` both drive it.
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, Protocol
 
 import msgspec
@@ -25,22 +23,19 @@ from meshserve.engine.scheduler import ScheduledBatch, Scheduler
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.admission import RequestError
+from meshserve.parallel.pipeline import MicroBatches
 
 
 @dataclass
 class EngineStats:
     steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
     finished: int = 0
+    """Requests finished or aborted."""
     step_seconds: float = 0.0
     schedule_seconds: float = 0.0
     """Scheduling and building the plan."""
-    execute_seconds: float = 0.0
-    """The executor: this rank's shard of the model, plus the control plane."""
     postprocess_seconds: float = 0.0
     """Appending tokens, stop checks, detokenization."""
-    finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
 class EngineObserver(Protocol):
@@ -62,6 +57,8 @@ class EngineObserver(Protocol):
 
 @dataclass
 class InFlight:
+    """A submitted step: its batch, and the executor's handle for its result."""
+
     batch: ScheduledBatch
     handle: Any
 
@@ -70,11 +67,11 @@ class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
                  vocab_size: int, micro_batches: int = 1, cp_size: int = 1):
         """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
-        takes its share of the sequences, and no sequence is in two at once. `cp_size`:
-        ranks a sequence's tokens are split over (context parallelism)."""
+        takes its share of the sequences, and no sequence is in two at once
+        (meshserve.parallel.pipeline). `cp_size`: ranks a sequence's tokens are split
+        over (context parallelism)."""
         self.executor = executor
-        self.micro_batches = micro_batches
-        self._in_flight: deque[InFlight] = deque()
+        self._in_flight: MicroBatches[InFlight] = MicroBatches(micro_batches)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.memory = memory
@@ -128,8 +125,7 @@ class Engine:
         self._fill()
         if not self._in_flight:
             return []
-        submitted = time.perf_counter()
-        done = self._in_flight.popleft()
+        done = self._in_flight.pop()
         result = self.executor.wait(done.handle)
         executed = time.perf_counter()
         sampled = dict(zip(result.seq_ids, result.token_ids))
@@ -138,8 +134,6 @@ class Engine:
         context_lens = [s.num_computed + n for s, n in zip(done.batch.seqs, done.batch.num_new)]
         for seq in self.scheduler.update(done.batch, sampled):
             state = self._by_seq[seq.seq_id]
-            if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
             if self.observer is not None:
                 self.observer.on_token(seq)
             delta = self.outputs.on_token(state, logprobs.get(seq.seq_id))
@@ -150,22 +144,18 @@ class Engine:
         end = time.perf_counter()
         self.stats.steps += 1
         self.stats.step_seconds += end - start
-        self.stats.execute_seconds += executed - submitted
         self.stats.postprocess_seconds += end - executed
         if self.observer is not None:
             self.observer.on_step(done.batch, context_lens, end - start)
         return out
 
     def _fill(self) -> None:
-        """Schedule and submit steps until micro_batches are in flight or nothing is left."""
-        while len(self._in_flight) < self.micro_batches:
+        """Schedule and submit steps until every micro-batch is in flight or nothing is left."""
+        while not self._in_flight.full():
             started = time.perf_counter()
-            busy = frozenset(s.seq_id for f in self._in_flight for s in f.batch.seqs)
-            cap = None
-            if self.micro_batches > 1:  # an even share of what can run, over the free slots
-                ready = sum(1 for s in self.scheduler.running if s.seq_id not in busy) + len(self.scheduler.waiting)
-                cap = max(1, math.ceil(ready / (self.micro_batches - len(self._in_flight))))
-            batch = self.scheduler.schedule(busy, cap)
+            busy = self._in_flight.busy()
+            ready = sum(1 for s in self.scheduler.running if s.seq_id not in busy) + len(self.scheduler.waiting)
+            batch = self.scheduler.schedule(busy, self._in_flight.share(ready))
             if self.observer is not None and (len(batch) or batch.preempted):
                 self.observer.on_scheduled(batch)
             for seq in batch.preempted:
@@ -173,10 +163,8 @@ class Engine:
             if not len(batch):  # no plan: the dropped ids wait for the next one
                 return
             plan = self.plans.build(batch)
-            scheduled = time.perf_counter()
-            self._in_flight.append(InFlight(batch, self.executor.submit(plan)))
-            self.stats.schedule_seconds += scheduled - started
-            self.stats.execute_seconds += time.perf_counter() - scheduled
+            self.stats.schedule_seconds += time.perf_counter() - started
+            self._in_flight.push(InFlight(batch, self.executor.submit(plan)), (s.seq_id for s in batch.seqs))
 
     def _finish(self, state: RequestState) -> None:
         seq = state.seq
@@ -185,10 +173,6 @@ class Engine:
         del self.requests[seq.key]
         del self._by_seq[seq.seq_id]
         self.stats.finished += 1
-        self.stats.prompt_tokens += seq.prompt_len
-        self.stats.generation_tokens += seq.num_output_tokens
-        reason = state.finish_reason or "abort"
-        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
         if self.observer is not None:
             self.observer.on_finished(state)
 

@@ -35,7 +35,6 @@ class Sequence:
     sent_tokens: int = 0
     sent_blocks: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
-"""Paged attention: the module the model calls, and the torch reference backend's metadata
-and math (CPU, and the oracle for the other backends, meshserve.layers.backend).
+"""Paged attention: the module the model calls, the metadata every paged CPU backend
+shares, and the torch reference backend's metadata and math (pure torch: the oracle the
+other backends are tested against, meshserve.layers.backend).
 
 The KV cache of one layer is two tensors (k_cache, v_cache) of shape
 (num_blocks, block_size, local_num_kv_heads, head_dim). A sequence's tokens live in the
@@ -7,11 +8,9 @@ blocks its block table lists; token t of a sequence is at slot
 block_table[t // block_size] * block_size + t % block_size.
 
 A step is a flat batch of new tokens from several sequences: sequences with one new
-token (decodes) are computed together in one batched call (gather + SDPA, or the cpu
-backend's C++ kernel reading the cache in place); sequences with several
-(prefill chunks) one by one, each attending to its cached prefix and itself, causally,
-in blocks of QUERY_BLOCK rows, except that the cpu backend computes every chunk with no
-cached prefix in one call of its C++ prefill kernel.
+token (decodes) are computed together in one batched call (gather + SDPA); sequences with
+several (prefill chunks) one by one, each attending to its cached prefix and itself,
+causally, in blocks of QUERY_BLOCK rows.
 """
 
 from __future__ import annotations
@@ -24,10 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshserve.comm.groups import AxisGroup
 from meshserve.layers import kv_quant
-from meshserve.layers.context_attention import ContextParallelMetadata, cp_attention
-from meshserve.layers.kernels import cpu_attention
 
 
 QUERY_BLOCK = 64
@@ -60,37 +56,70 @@ class PrefillChunk:
     """(num_blocks_of_seq,) block ids."""
     query_blocks: list[QueryBlock] = field(default_factory=list)
 
+    @property
+    def fresh(self) -> bool:
+        """No cached prefix: the chunk attends only to itself."""
+        return self.seq_len == self.query_len
+
 
 @dataclass
-class AttentionMetadata:
-    """Per-step inputs shared by every layer (flash-attn / vLLM names)."""
+class PagedMetadata:
+    """Per-step inputs shared by every layer (flash-attn / vLLM names): what the torch and
+    cpu backends' metadata have in common."""
 
     slot_mapping: torch.Tensor
     """(num_tokens,) cache slot of each new token."""
     query_start_loc: list[int]
     """(num_seqs + 1,) cu_seqlens_q, on the host."""
-    seq_lens: list[int]
-    """(num_seqs,) tokens in the cache after this step, on the host."""
     decode_rows: torch.Tensor | None = None
     """(num_decodes,) rows of the single-token sequences in the flat batch."""
     decode_block_tables: torch.Tensor | None = None
     """(num_decodes, max_blocks) block ids, padded with block 0."""
-    decode_mask: torch.Tensor | None = None
-    """(num_decodes, 1, 1, max_blocks * block_size) bool: which cached positions exist
-    (for the gather + SDPA path)."""
-    decode_lens: torch.Tensor | None = None
-    """(num_decodes,) int64 cached tokens of each: set instead of decode_mask for the cpu
-    backend's C++ kernel, which reads the cache in place."""
-    fresh_chunks: torch.Tensor | None = None
-    """(n, 2) int64 first row and length of each prefill chunk with no cached prefix: the
-    cpu backend's C++ prefill kernel computes them all in one call."""
     prefills: list[PrefillChunk] = field(default_factory=list)
-    workspace: "GatherWorkspace | None" = None
-    """The backend's reusable buffers for the decode gather, if it keeps them."""
 
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence of the step decodes one token (what a compiled decode graph runs)."""
+        return not self.prefills and self.decode_rows is not None
+
+    def for_graph(self) -> None:
+        """Readies a decode step for the compiled graphs (engine/compiled_decode.py): pads a
+        block table one block wide to two (the graphs are traced with a width above 1, and
+        width 1 would be a graph of its own; the lengths or the mask hide the padding)."""
+        if self.decode_block_tables.shape[1] == 1:
+            self.decode_block_tables = torch.cat([self.decode_block_tables, self.decode_block_tables], dim=1)
+
+    def dynamic_tensors(self) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]]]:
+        """For torch.compile: the tensors whose first size is the batch, and (tensor, dim)
+        of the sizes that follow the block-table width."""
+        return [self.slot_mapping, self.decode_rows, self.decode_block_tables], [(self.decode_block_tables, 1)]
+
+
+@dataclass
+class AttentionMetadata(PagedMetadata):
+    """The torch backend's metadata."""
+
+    decode_mask: torch.Tensor | None = None
+    """(num_decodes, 1, 1, max_blocks * block_size) bool: which cached positions exist
+    (for the gather + SDPA of the decodes)."""
+    workspace: "GatherWorkspace | None" = None
+    """The backend's reusable buffers for the decode gather, if it keeps them."""
+
+    def for_graph(self) -> None:
+        """Also drops the kept gather buffers: the graph plans its own, and kept ones would
+        be traced as inputs and guarded on."""
+        self.workspace = None
+        if self.decode_block_tables.shape[1] == 1:
+            self.decode_mask = torch.cat([self.decode_mask, torch.zeros_like(self.decode_mask)], dim=3)
+        super().for_graph()
+
+    def dynamic_tensors(self) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]]]:
+        batch, width = super().dynamic_tensors()
+        return batch + [self.decode_mask], width + [(self.decode_mask, 3)]
 
 
 class GatherWorkspace:
@@ -129,20 +158,14 @@ def starts_and_slots(query_lens: list[int], seq_lens: list[int], block_tables: l
     return starts, slots
 
 
-def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                             block_size: int, device: torch.device | str = "cpu",
-                             workspace: GatherWorkspace | None = None,
-                             cpu_kernels: bool = False) -> AttentionMetadata:
-    """Host lists -> the tensors the torch backend needs, built once per step;
-    `cpu_kernels`: for the cpu backend's C++ kernels (decode lengths instead of a mask, and
-    the spans of the chunks with no cached prefix)."""
+def build_paged_metadata(kind: type[PagedMetadata], query_lens: list[int], seq_lens: list[int],
+                         block_tables: list[list[int]], block_size: int, device: torch.device | str = "cpu",
+                         **extra) -> tuple[PagedMetadata, torch.Tensor | None]:
+    """Host lists -> the fields of PagedMetadata, as a `kind` (with `extra` fields), and
+    the decodes' cached lengths (int64, None without decodes) for the backend's own fields."""
     starts, slots = starts_and_slots(query_lens, seq_lens, block_tables, block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        query_start_loc=starts,
-        seq_lens=list(seq_lens),
-        workspace=workspace,
-    )
+    meta = kind(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), query_start_loc=starts, **extra)
+    lens = None
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     if decodes:
         width = max(len(block_tables[i]) for i in decodes)
@@ -150,11 +173,6 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         meta.decode_rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
         lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.long, device=device)
-        if cpu_kernels:
-            meta.decode_lens = lens
-        else:
-            meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :]
-                                < lens[:, None])[:, None, None, :]
     for i, q in enumerate(query_lens):
         if q == 1:
             continue
@@ -162,9 +180,18 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         n_blocks = (s + block_size - 1) // block_size
         meta.prefills.append(PrefillChunk(starts[i], q, s, torch.tensor(block_tables[i][:n_blocks], device=device),
                                           query_blocks(q, s - q, device)))
-    fresh = [[starts[i], q] for i, q in enumerate(query_lens) if q > 1 and seq_lens[i] == q]
-    if cpu_kernels and fresh:
-        meta.fresh_chunks = torch.tensor(fresh, dtype=torch.long, device=device)
+    return meta, lens
+
+
+def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                             block_size: int, device: torch.device | str = "cpu",
+                             workspace: GatherWorkspace | None = None) -> AttentionMetadata:
+    """Host lists -> the tensors the torch backend needs, built once per step."""
+    meta, lens = build_paged_metadata(AttentionMetadata, query_lens, seq_lens, block_tables, block_size, device,
+                                      workspace=workspace)
+    if lens is not None:
+        width = meta.decode_block_tables.shape[1] * block_size
+        meta.decode_mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]
     return meta
 
 
@@ -185,52 +212,48 @@ def query_blocks(query_len: int, prefix: int, device) -> list[QueryBlock]:
 
 class PagedAttention(nn.Module):
     """softmax(q k^T * scale) v over each sequence's cached keys and values, with GQA,
-    computed by `backend` (meshserve.layers.backend). With a context-parallel group of
-    several ranks, the step's metadata is a ContextParallelMetadata and the ranks exchange
-    K/V blocks and partial outputs over `cp`."""
+    computed by `backend` (meshserve.layers.backend) on the metadata that backend built
+    for the step (with context parallelism, a backend that also moves K/V blocks and
+    partial outputs over the group)."""
 
-    def __init__(self, local_num_heads: int, local_num_kv_heads: int, head_dim: int, cp: AxisGroup | None = None,
-                 *, backend):
+    def __init__(self, local_num_heads: int, local_num_kv_heads: int, head_dim: int, *, backend):
         super().__init__()
         self.local_num_heads, self.local_num_kv_heads, self.head_dim = local_num_heads, local_num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
-        self.cp = cp
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
         # q: (num_tokens, local_num_heads, head_dim); k, v: (num_tokens, local_num_kv_heads, head_dim)
-        if isinstance(meta, ContextParallelMetadata):
-            return cp_attention(q, k, v, kv_cache, meta, self.cp, self.scale, self.backend)
         return self.backend.attention(q, k, v, kv_cache, meta, self.scale)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    meta: AttentionMetadata, scale: float, quantize=kv_quant.quantize) -> torch.Tensor:
-    """The torch reference: stores the new K/V, then attends. q: (num_tokens, heads,
-    head_dim); k, v: (num_tokens, kv_heads, head_dim). An int8 cache (meshserve.layers.kv_quant)
-    stores `quantize(k)`, `quantize(v)`."""
+def store_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, quantize=kv_quant.quantize) -> None:
+    """Writes the new K/V rows into their cache slots; an int8 cache
+    (meshserve.layers.kv_quant) stores `quantize(k)`, `quantize(v)`."""
     k_cache, v_cache = kv_cache
     k_rows, v_rows = (quantize(k), quantize(v)) if k_cache.dtype == torch.int8 else (k, v)
     kv_heads, row = k_rows.shape[1], k_rows.shape[2]
-    k_cache.view(-1, kv_heads, row).index_copy_(0, meta.slot_mapping, k_rows)
-    v_cache.view(-1, kv_heads, row).index_copy_(0, meta.slot_mapping, v_rows)
-    fresh = meta.fresh_chunks is not None and cpu_attention.prefill_fits(q.shape[-1])
-    out = cpu_attention.prefill_attention(q, k, v, meta.fresh_chunks, scale) if fresh else torch.empty_like(q)
+    k_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, k_rows)
+    v_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, v_rows)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The torch reference: stores the new K/V, then attends. q: (num_tokens, heads,
+    head_dim); k, v: (num_tokens, kv_heads, head_dim)."""
+    store_kv(kv_cache, k, v, meta.slot_mapping)
+    k_cache, v_cache = kv_cache
+    out = torch.empty_like(q)
     if meta.decode_rows is not None:
         out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
-        if fresh and chunk.seq_len == chunk.query_len:
-            continue
-        rows = slice(chunk.start, chunk.start + chunk.query_len)
-        _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, out=out[rows])
+        prefill_chunk(q, k, v, kv_cache, chunk, scale, out)
     return out
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if meta.decode_lens is not None:
-        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                                    scale)
     n, width = meta.decode_block_tables.shape
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     blocks = meta.decode_block_tables.flatten()
@@ -251,19 +274,26 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     return o.reshape(n, heads, head_dim)
 
 
-def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float, out: torch.Tensor) -> None:
-    """Writes the chunk's attention into `out` (query_len, heads, head_dim), block by block."""
-    if chunk.seq_len == chunk.query_len:  # no cached prefix: attend within the chunk, the new K/V at hand
-        keys, values = k, v
+def prefill_chunk(q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], chunk: PrefillChunk, scale: float,
+                  out: torch.Tensor) -> None:
+    """Writes one chunk's attention (the flat batch's rows of `chunk`) into `out`, block
+    by block: over the chunk's own new K/V when it has no cached prefix, else over its
+    rows of the cache."""
+    rows = slice(chunk.start, chunk.start + chunk.query_len)
+    if chunk.fresh:
+        keys, values = k[rows], v[rows]
     else:
+        k_cache, v_cache = kv_cache
         keys = _readable(k_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len], q.dtype)
         values = _readable(v_cache.index_select(0, chunk.block_table).flatten(0, 1)[: chunk.seq_len], q.dtype)
     # NOTE: 4-D inputs: with 3-D ones torch's CPU SDPA takes the math path (8x slower, L^2 memory).
-    q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    queries, keys, values = q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    target = out[rows]
     for b in chunk.query_blocks:
-        o = F.scaled_dot_product_attention(q[:, :, b.start:b.end], keys[:, :, :b.kv_len], values[:, :, :b.kv_len],
-                                           attn_mask=b.mask, is_causal=b.mask is None, scale=scale, enable_gqa=True)
-        out[b.start:b.end] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(queries[:, :, b.start:b.end], keys[:, :, :b.kv_len],
+                                           values[:, :, :b.kv_len], attn_mask=b.mask, is_causal=b.mask is None,
+                                           scale=scale, enable_gqa=True)
+        target[b.start:b.end] = o[0].transpose(0, 1)
 
 
 def _readable(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -2,34 +2,50 @@
 activation on this rank.
 
 The model gets one backend object when it is built and calls it; the model code never
-branches on the device:
-- `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE): the reference
-  every other backend is tested against, and the default on CPU without a C++ compiler.
-- `CpuBackend`: the torch backend with decode attention in meshserve's C++ kernel, which
-  reads the paged cache (bf16, float32 or int8) in place, the attention of prefill chunks
-  with no cached prefix in another, the int8 cache's rows quantized in C++, and RMSNorm and silu-and-mul in one C++ pass each outside compiled graphs. The
-  default on CPU when the kernels build.
+branches on the device, and a backend's attention reads only the metadata type that
+backend builds for a step (`build_metadata`), so each backend's step inputs cost only
+what it reads:
+- `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE), its metadata
+  `layers.attention.AttentionMetadata`: the reference every other backend is tested
+  against, and the default on CPU without a C++ compiler. No C++ inside.
+- `CpuBackend` (meshserve.layers.kernels.cpu_backend): the torch backend with
+  meshserve's C++ kernels where they are faster; its metadata `CpuMetadata`. The default
+  on CPU when the kernels build.
 - `TritonBackend` (meshserve.layers.kernels.triton_backend): meshserve's Triton kernels,
-  the default on CUDA when triton is installed (`pip install 'meshserve[gpu]'`).
+  its metadata `TritonMetadata`; the default on CUDA when triton is installed
+  (`pip install 'meshserve[gpu]'`).
+- `ContextParallelBackend`: any of those with a context-parallel group: its metadata is
+  meshserve.parallel.context_attention's, its attention the ring / merge over the group
+  computed with the wrapped backend's LSE attentions.
 
-A backend also builds the per-step attention metadata (`build_metadata`): each backend's
-step inputs cost only what that backend reads. `select_backend` maps the config's
-`device.kernels` (auto | torch | triton | cpu) to a backend.
+`select_backend` maps the config's `device.kernels` (auto | torch | triton | cpu) to a
+backend.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
-from meshserve.layers import activation, attention, context_attention, kv_quant, norm, rotary
+from meshserve.comm.groups import AxisGroup
+from meshserve.layers import activation, attention, norm, rotary
 from meshserve.layers.kernels import cpu_attention, cpu_library, triton_available
-from meshserve.parallel import ring_attention
+from meshserve.parallel import context_attention, ring_attention
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "triton", "cpu")
+
+
+class StepMetadata(Protocol):
+    """A step's attention metadata, shared by every layer: built by one backend's
+    `build_metadata` (AttentionMetadata, CpuMetadata, TritonMetadata, or
+    ContextParallelMetadata) and read only by that backend's `attention`."""
+
+    slot_mapping: torch.Tensor
+    """The cache slot of each token whose K/V this rank stores."""
 
 
 class Backend:
@@ -42,12 +58,12 @@ class Backend:
     name = "base"
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                       block_size: int, device: torch.device | str = "cpu"):
+                       block_size: int, device: torch.device | str = "cpu") -> StepMetadata:
         """Host lists of a step (new tokens, tokens in the cache after the step, and the
         block ids of each sequence) -> this backend's attention metadata."""
         raise NotImplementedError
 
-    def attention(self, q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
+    def attention(self, q, k, v, kv_cache, meta: StepMetadata, scale: float) -> torch.Tensor:
         """Stores the new K/V in the cache, then returns softmax(q k^T scale) v for every
         new token over its sequence's cached tokens (causal within a chunk)."""
         raise NotImplementedError
@@ -75,6 +91,10 @@ class Backend:
     silu_and_mul = staticmethod(activation.silu_and_mul)
     """x (num_tokens, 2n) = [gate, up] -> silu(gate) * up."""
 
+    def summary(self, head_dim: int) -> str:
+        """What computes attention and the norms, for the start-up line (kernel_summary)."""
+        return f"attention, norm/act: {self.name} backend"
+
 
 class TorchBackend(Backend):
     """Plain torch: the reference implementations, called directly (no wrapper per call)."""
@@ -95,38 +115,23 @@ class TorchBackend(Backend):
     rotary = staticmethod(rotary.RotaryEmbedding.apply)
 
 
-class CpuBackend(TorchBackend):
-    """The torch backend with decode attention in meshserve's C++ kernel
-    (meshserve.layers.kernels.cpu_attention), which reads the paged cache in place, and
-    RMSNorm and silu-and-mul in one C++ pass each (cpu_norm_act.cpp) where torch.compile is
-    not fusing them already: 0.14 vs 0.41 ms and 0.55 vs 0.85 ms on SmolLM2's 2048-token
-    prefill rows (bf16, 2 cores)."""
+class ContextParallelBackend(Backend):
+    """`inner`'s kernels with a sequence's tokens split over the context-parallel group
+    `cp`: the step's metadata is a ContextParallelMetadata (the model runner builds it
+    from each sequence's share, parallel.context_attention.build_cp_metadata), attention
+    exchanges K/V blocks and partial outputs over `cp` and computes each part with
+    `inner`'s LSE attentions; norms and rotary are `inner`'s."""
 
-    name = "cpu"
+    def __init__(self, inner: Backend, cp: AxisGroup):
+        self.inner, self.cp = inner, cp
+        self.name = inner.name
+        self.rms_norm, self.rotary, self.silu_and_mul = inner.rms_norm, inner.rotary, inner.silu_and_mul
 
-    def __init__(self):
-        self.workspace = None
+    def attention(self, q, k, v, kv_cache, meta: context_attention.ContextParallelMetadata, scale: float):
+        return context_attention.cp_attention(q, k, v, kv_cache, meta, self.cp, scale, self.inner)
 
-    def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
-        return attention.build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device,
-                                                  cpu_kernels=True)
-
-    @staticmethod
-    def attention(q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
-        return attention.paged_attention(q, k, v, kv_cache, meta, scale, quantize=kv_quant.quantize_native)
-
-    @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None):
-        if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
-            return norm.rms_norm(x, weight, eps, residual)
-        out, total = cpu_library.ops.rms_norm(x, weight, eps, residual)
-        return out if residual is None else (out, total)
-
-    @staticmethod
-    def silu_and_mul(x):
-        if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
-            return activation.silu_and_mul(x)
-        return cpu_library.ops.silu_and_mul(x)
+    def summary(self, head_dim: int) -> str:
+        return self.inner.summary(head_dim)
 
 
 def resolve_backend_name(name: str, device: torch.device | str, cpu_isa: str = "auto") -> str:
@@ -156,6 +161,8 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", cpu_i
     if resolved == "cpu":
         if torch.device(device).type != "cpu" or not cpu_attention.available():
             raise RuntimeError(f"device.kernels=cpu needs the CPU and a C++ compiler for its kernel (device {device})")
+        from meshserve.layers.kernels.cpu_backend import CpuBackend
+
         return CpuBackend()
     if not triton_available():
         raise ImportError("device.kernels=triton needs triton: pip install 'meshserve[gpu]'")
@@ -182,9 +189,4 @@ def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head
         matmul = f"oneDNN packed {name}"
     else:
         matmul = f"torch {name}"
-    if isinstance(backend, CpuBackend):
-        build = f"{cpu_library.selected_isa} build"
-        prefill = f"C++ causal ({build})" if cpu_attention.prefill_fits(head_dim) else "SDPA"
-        return (f"matmul: {matmul}; attention: cpu backend, C++ paged decode ({build}), prefill {prefill}; "
-                f"norm/act: C++ ({build}) in eager steps")
-    return f"matmul: {matmul}; attention, norm/act: {backend.name} backend"
+    return f"matmul: {matmul}; {backend.summary(head_dim)}"

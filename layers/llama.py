@@ -15,8 +15,8 @@ from torch import nn
 
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs.model_info import ModelInfo
-from meshserve.layers.attention import AttentionMetadata, PagedAttention
-from meshserve.layers.backend import Backend, TorchBackend
+from meshserve.layers.attention import PagedAttention
+from meshserve.layers.backend import Backend, StepMetadata, TorchBackend
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from meshserve.layers.norm import RMSNorm
@@ -36,10 +36,9 @@ STACKED_PARAMS = (
 
 class LlamaAttention(nn.Module):
     """One all-reduce: in o_proj (row-parallel). With context parallelism, K/V blocks and
-    partial outputs also move over `cp`."""
+    partial outputs also move over the backend's group (layers.backend.ContextParallelBackend)."""
 
-    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, cp: AxisGroup | None = None,
-                 backend: Backend | None = None):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, backend: Backend | None = None):
         super().__init__()
         self.backend = backend or TorchBackend()
         self.qkv_proj = QKVParallelLinear(info.hidden_size, info.head_dim, info.num_attention_heads,
@@ -48,11 +47,10 @@ class LlamaAttention(nn.Module):
         self.local_num_heads = self.qkv_proj.local_num_heads
         self.local_num_kv_heads = self.qkv_proj.local_num_kv_heads
         self.head_dim = info.head_dim
-        self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim, cp,
-                                   backend=self.backend)
+        self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim, backend=self.backend)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(-1, self.local_num_heads, self.head_dim)  # (num_tokens, local_num_heads, head_dim)
         k = k.view(-1, self.local_num_kv_heads, self.head_dim)  # (num_tokens, local_num_kv_heads, head_dim)
@@ -77,15 +75,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, cp: AxisGroup | None = None,
-                 backend: Backend | None = None):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, backend: Backend | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend)
-        self.self_attn = LlamaAttention(info, tp, dtype, cp, backend)
+        self.self_attn = LlamaAttention(info, tp, dtype, backend)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend)
         self.mlp = LlamaMLP(info, tp, dtype, backend)
 
-    def forward(self, rope, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, rope, hidden, residual, kv_cache: KVCache, meta: StepMetadata):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -97,17 +94,16 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, layer_range: tuple[int, int],
-                 has_embedding: bool, has_head: bool, max_position: int, cp: AxisGroup | None = None,
-                 backend: Backend | None = None):
+                 has_embedding: bool, has_head: bool, max_position: int, backend: Backend | None = None):
         super().__init__()
         self.layer_start, self.layer_end = layer_range
         self.embed_tokens = VocabParallelEmbedding(info.vocab_size, info.hidden_size, tp, dtype) if has_embedding else None
         self.rotary = RotaryEmbedding(info.head_dim, max_position, info.rope_theta, info.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, dtype, cp, backend) for _ in range(*layer_range))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, dtype, backend) for _ in range(*layer_range))
         self.dtype = dtype
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend) if has_head else None
 
-    def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: AttentionMetadata):
+    def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: StepMetadata):
         """First stage: from input_ids. Later stages: from the previous stage's (hidden,
         residual). Last stage returns the final-normed hidden states and residual None."""
         if self.embed_tokens is not None:
@@ -124,14 +120,14 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, *, layer_range: tuple[int, int] | None = None,
                  is_first_stage: bool = True, is_last_stage: bool = True, max_position: int | None = None,
-                 cp: AxisGroup | None = None, backend: Backend | None = None):
+                 backend: Backend | None = None):
         super().__init__()
         self.info = info
         self.backend = backend or TorchBackend()
         """Computes attention, norms and rotary; builds the attention metadata of a step."""
         layer_range = layer_range or (0, info.num_hidden_layers)
         self.model = LlamaModel(info, tp, dtype, layer_range, is_first_stage, is_last_stage,
-                                max_position or info.max_position_embeddings, cp, self.backend)
+                                max_position or info.max_position_embeddings, self.backend)
         self.lm_head = None
         if is_last_stage:
             tied = self.model.embed_tokens if info.tie_word_embeddings else None
@@ -141,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
     def num_local_layers(self) -> int:
         return len(self.model.layers)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: StepMetadata,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
         return self.model(input_ids, positions, hidden, residual, kv_caches, meta)
 

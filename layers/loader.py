@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from meshserve.configs.memory import head_quantization
 from meshserve.configs.model_info import ModelInfo
+from meshserve.layers.backend import ContextParallelBackend, TorchBackend
 from meshserve.layers.embedding import ParallelLMHead
 from meshserve.layers.llama import LlamaForCausalLM
 from meshserve.layers.smoothquant import smooth
@@ -43,7 +44,9 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
                 max_position: int | None = None, show_progress: bool = False, cp=None,
                 backend=None, quantization: str = "none", calibration: list[int] | None = None) -> LlamaForCausalLM:
-    """`backend`: the kernel backend (meshserve.layers.backend); default torch.
+    """`backend`: the kernel backend (meshserve.layers.backend); default torch. With a
+    context-parallel group `cp` of several ranks, the model's attention runs over it
+    (layers.backend.ContextParallelBackend around `backend`).
 
     `quantization` (none | int8 | int4, meshserve.layers.quant): the weights are read in
     float32 (a Q4_1 GGUF's codes survive exactly), the linear layers quantized, then the
@@ -51,9 +54,11 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
     int8, as GGUF files keep their output matrix at 8 bits. w8a8 first smooths the weights
     (meshserve.layers.smoothquant) on one prefill of `calibration` token ids."""
     load_dtype = dtype if quantization == "none" else torch.float32
+    if cp is not None and cp.size > 1:
+        backend = ContextParallelBackend(backend or TorchBackend(), cp)
     with torch.device(device):
         model = LlamaForCausalLM(info, tp, load_dtype, layer_range=layer_range, is_first_stage=is_first_stage,
-                                 is_last_stage=is_last_stage, max_position=max_position, cp=cp, backend=backend)
+                                 is_last_stage=is_last_stage, max_position=max_position, backend=backend)
     load_weights(model, info, show_progress)
     if quantization == "w8a8":
         if not calibration:

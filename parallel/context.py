@@ -1,5 +1,6 @@
-"""Which context-parallel rank holds which token of a sequence. Plain Python: the
-driver (block allocation) and every rank (its share of the batch) compute the same.
+"""Which context-parallel rank holds which token of a sequence, and what each rank
+computes of a chunk. Plain Python: the driver (block allocation) and every rank (its
+share of the batch) compute the same.
 
 A chunk of at least 2 * cp tokens (a prefill, or a prefill chunk) is cut into 2 * cp
 segments of (nearly) equal length and rank r takes segments r and 2*cp - 1 - r: under a
@@ -14,6 +15,8 @@ of the group share (each rank's cache is its own memory).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:
@@ -68,3 +71,31 @@ def local_lens_of(chunks: list[int], cp_size: int) -> list[int]:
     for n in chunks:
         lens = advance(lens, chunk_owners(lens, n))
     return lens
+
+
+def owned_positions(start: int, owners: list[int], rank: int) -> list[int]:
+    """Positions of a chunk beginning at `start` whose K/V `rank` stores, ascending."""
+    return [start + i for i, owner in enumerate(owners) if owner == rank]
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank does with one chunk of a sequence."""
+
+    split: bool
+    """True: the chunk is divided (each rank computes its own tokens); False: every rank
+    computes all of it and stores only its own."""
+    queries: list[int]
+    """Positions this rank computes, in row order."""
+    stored: list[int]
+    """Positions whose K/V this rank stores, ascending."""
+    stored_rows: list[int]
+    """Indices into `queries` of the stored positions."""
+
+
+def rank_share(start: int, owners: list[int], rank: int, cp_size: int) -> RankShare:
+    """`rank`'s share of a chunk beginning at `start` with these owners (chunk_owners)."""
+    stored = owned_positions(start, owners, rank)
+    if is_split(len(owners), cp_size):
+        return RankShare(True, stored, stored, list(range(len(stored))))
+    return RankShare(False, list(range(start, start + len(owners))), stored, [p - start for p in stored])

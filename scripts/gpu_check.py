@@ -256,8 +256,7 @@ def section_prefill(args, roof) -> dict:
         def torch_backend():
             got = torch.empty_like(q)
             for c in meta.prefills:
-                rows_ = slice(c.start, c.start + c.query_len)
-                attention._prefill(q[rows_], k_new[rows_], v_new[rows_], kc, vc, c, scale, out=got[rows_])
+                attention.prefill_chunk(q, k_new, v_new, (kc, vc), c, scale, got)
             return got
 
         def sdpa():

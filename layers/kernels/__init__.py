@@ -5,8 +5,9 @@ made on the first start of an install): paged decode and causal prefill attentio
 (`cpu_attention.py`), the w8a8 linears' quantize-multiply-rescale, the int8 KV cache's
 quantizer, and one-pass RMSNorm, silu-and-mul and argmax.
 
-One file per kernel, each with its Python wrapper; `triton_backend.py` puts them behind the
-`Backend` interface the model uses (meshserve.layers.backend). Nothing imports triton until
+One file per kernel, each with its Python wrapper; `triton_backend.py` and `cpu_backend.py`
+put them behind the `Backend` interface the model uses (meshserve.layers.backend), each
+with the per-step metadata type its kernels read. Nothing imports triton until
 one of those modules is imported, so this package loads on a machine without it.
 
 NOTE: under TRITON_INTERPRET=1 the kernels run on CPU tensors (thousands of times slower):

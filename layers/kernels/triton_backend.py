@@ -30,8 +30,6 @@ class TritonMetadata:
     """(num_tokens,) cache slot of each new token."""
     query_start_loc: list[int]
     """(num_seqs + 1,) cu_seqlens_q, on the host."""
-    seq_lens: list[int]
-    """(num_seqs,) tokens in the cache after this step, on the host."""
     decode_rows: torch.Tensor
     """(num_decodes,) rows of the single-token sequences in the flat batch."""
     decode_block_tables: torch.Tensor
@@ -85,7 +83,7 @@ def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tabl
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     (slot_mapping, d_rows, d_tab, d_lens, p_starts, p_qlens, p_slens, p_tab) = flat.split([len(p) for p in parts])
-    return TritonMetadata(slot_mapping, starts, list(seq_lens),
+    return TritonMetadata(slot_mapping, starts,
                           d_rows, d_tab.view(len(decodes), d_width), d_lens,
                           max((seq_lens[i] for i in decodes), default=0),
                           p_starts, p_qlens, p_slens, p_tab.view(len(prefills), p_width),

@@ -179,7 +179,7 @@ def check_context_parallel_parts(dtype, device, heads: int = 6, kv_heads: int = 
                                  seed: int = 3) -> list[Row]:
     """The two LSE attentions context parallelism asks of a backend: decode over this
     rank's share (a rank that holds nothing included) and ring tiles with positions."""
-    from meshserve.layers.context_attention import CPSeqStep, build_cp_metadata
+    from meshserve.parallel.context_attention import CPSeqStep, build_cp_metadata
     from meshserve.layers.kernels.triton_backend import TritonBackend
 
     backend, block_size, scale = TritonBackend(), 8, head_dim ** -0.5
@@ -222,7 +222,7 @@ def check_cp_attention(dtype, device, block_size: int = 4, heads: int = 4, kv_he
     cached prefix (merge) and a decode, through the same code as context parallelism,
     vs float64 math."""
     from meshserve.comm.groups import AxisGroup
-    from meshserve.layers.context_attention import CPSeqStep, build_cp_metadata, cp_attention
+    from meshserve.parallel.context_attention import CPSeqStep, build_cp_metadata, cp_attention
     from meshserve.layers.kernels.triton_backend import TritonBackend
 
     ql, sl = [12, 3, 1], [12, 8, 10]

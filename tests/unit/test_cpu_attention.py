@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from meshserve.layers.attention import build_attention_metadata, paged_attention
-from meshserve.layers.backend import CpuBackend
+from meshserve.layers.kernels.cpu_backend import CpuBackend, build_cpu_metadata
 from meshserve.layers.kernels import cpu_attention
 from support.kernel_cases import math_attention
 
@@ -173,7 +173,7 @@ def test_a_step_with_fresh_and_prefixed_chunks_and_a_decode_matches_the_torch_ba
     for query_lens, seq_lens, step_tables in steps:
         n = sum(query_lens)
         q, k, v = rand(n, heads), rand(n, kv_heads), rand(n, kv_heads)
-        fast_meta = build_attention_metadata(query_lens, seq_lens, step_tables, block, cpu_kernels=True)
+        fast_meta = build_cpu_metadata(query_lens, seq_lens, step_tables, block)
         fresh = [[start, length] for start, length, total in zip(fast_meta.query_start_loc, query_lens, seq_lens)
                  if length > 1 and length == total]
         assert fast_meta.fresh_chunks.tolist() == fresh

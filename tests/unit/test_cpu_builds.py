@@ -127,7 +127,8 @@ def test_the_cached_gguf_header_and_tokenizer_match_uncached_reads(smollm2, tmp_
 def test_the_start_up_line_names_the_build_and_the_kernels(cpu_isa):
     import torch
 
-    from meshserve.layers.backend import CpuBackend, TorchBackend, kernel_summary
+    from meshserve.layers.backend import TorchBackend, kernel_summary
+    from meshserve.layers.kernels.cpu_backend import CpuBackend
 
     line = kernel_summary(CpuBackend(), torch.float32, "none", 64)
     assert f"C++ paged decode ({cpu_isa} build)" in line and f"norm/act: C++ ({cpu_isa} build)" in line

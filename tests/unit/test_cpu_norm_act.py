@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshserve.layers.activation import silu_and_mul
-from meshserve.layers.backend import CpuBackend
+from meshserve.layers.kernels.cpu_backend import CpuBackend
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.norm import rms_norm
 from meshserve.layers.sampler import argmax

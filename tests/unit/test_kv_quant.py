@@ -16,8 +16,7 @@ from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
 from meshserve.engine.offline import generate
 from meshserve.layers import kv_quant
-from meshserve.layers.attention import build_attention_metadata, paged_attention
-from meshserve.layers.backend import CpuBackend
+from meshserve.layers.backend import select_backend
 from meshserve.layers.kernels import cpu_attention
 from support.engines import make_engine
 from support.kernel_cases import OUT_TOL, gather, math_attention
@@ -114,7 +113,7 @@ def test_paged_attention_over_an_int8_cache_matches_dense_attention_over_its_con
     """Step 1 prefills A and B (attending to their unquantized K/V); step 2 prefills a
     second chunk of A over its cached prefix and decodes one token of B, both reading the
     int8 cache (the chunk's own rows too, as stored)."""
-    attend = CpuBackend.attention if backend == "cpu" else paged_attention
+    impl = select_backend(backend)
     torch.manual_seed(0)
     first, second, other = 70, 21, 30
     total_a, total_b = first + second, other + 1
@@ -123,13 +122,12 @@ def test_paged_attention_over_an_int8_cache_matches_dense_attention_over_its_con
     cache = tuple(torch.zeros(64, BLOCK, KV_HEADS, kv_quant.row_length(HEAD_DIM), dtype=torch.int8) for _ in range(2))
     table_a, table_b = list(range(1, 1 + -(-total_a // BLOCK))), list(range(40, 40 + -(-total_b // BLOCK)))
     scale = HEAD_DIM ** -0.5
-    kernel = backend == "cpu"
 
-    meta = build_attention_metadata([first, other], [first, other], [table_a, table_b], BLOCK, cpu_kernels=kernel)
-    out1 = attend(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
+    meta = impl.build_metadata([first, other], [first, other], [table_a, table_b], BLOCK)
+    out1 = impl.attention(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
                   torch.cat([va[:first], vb[:other]]), cache, meta, scale)
-    meta = build_attention_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK, cpu_kernels=kernel)
-    out2 = attend(torch.cat([qa[first:], qb[other:]]), torch.cat([ka[first:], kb[other:]]),
+    meta = impl.build_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK)
+    out2 = impl.attention(torch.cat([qa[first:], qb[other:]]), torch.cat([ka[first:], kb[other:]]),
                   torch.cat([va[first:], vb[other:]]), cache, meta, scale)
 
     stored_a = cached(cache[0], table_a, total_a), cached(cache[1], table_a, total_a)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshserve.layers.attention import QUERY_BLOCK, build_attention_metadata, paged_attention
+from meshserve.layers.attention import QUERY_BLOCK, AttentionMetadata
+from meshserve.layers.backend import TorchBackend, select_backend
 from meshserve.layers.kernels import cpu_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
@@ -36,19 +37,57 @@ def test_chunks_of_several_query_blocks_match_dense_attention(cpu_kernels):
     table_a, table_b = list(range(1, 1 + -(-total_a // BLOCK))), list(range(40, 40 + -(-total_b // BLOCK)))
     scale = HEAD_DIM ** -0.5
 
-    meta = build_attention_metadata([first, other], [first, other], [table_a, table_b], BLOCK)
+    backend = select_backend("cpu") if cpu_kernels else TorchBackend()
+    meta = backend.build_metadata([first, other], [first, other], [table_a, table_b], BLOCK)
     assert len(meta.prefills[0].query_blocks) == 3
-    out1 = paged_attention(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
-                           torch.cat([va[:first], vb[:other]]), cache, meta, scale)
-    meta = build_attention_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK,
-                                    cpu_kernels=cpu_kernels)
-    assert (meta.decode_lens is not None) == cpu_kernels and (meta.decode_mask is None) == cpu_kernels
+    out1 = backend.attention(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
+                             torch.cat([va[:first], vb[:other]]), cache, meta, scale)
+    meta = backend.build_metadata([second, 1], [total_a, total_b], [table_a, table_b], BLOCK)
+    assert isinstance(meta, AttentionMetadata) != cpu_kernels  # each backend reads its own metadata type
     assert [b.mask is not None for b in meta.prefills[0].query_blocks] == [True, True]
-    out2 = paged_attention(torch.cat([qa[first:], qb[other:]]), torch.cat([ka[first:], kb[other:]]),
-                           torch.cat([va[first:], vb[other:]]), cache, meta, scale)
+    out2 = backend.attention(torch.cat([qa[first:], qb[other:]]), torch.cat([ka[first:], kb[other:]]),
+                             torch.cat([va[first:], vb[other:]]), cache, meta, scale)
 
     want_a, want_b = dense_causal(qa, ka, va, scale), dense_causal(qb, kb, vb, scale)
     torch.testing.assert_close(out1[:first].double(), want_a[:first], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out1[first:].double(), want_b[:other], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out2[:second].double(), want_a[first:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out2[second:].double(), want_b[other:], atol=1e-5, rtol=1e-5)
+
+
+class _NoNativeKernels:
+    """Stands in for the C++ library: any kernel the torch backend called would fail."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the torch backend called the C++ kernel {name}")
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_torch_backend_is_pure_torch(monkeypatch, int8):
+    """A mixed step (a fresh prefill, a chunk after its cached prefix, a decode) and the
+    norms, activation and rotary through TorchBackend with the C++ library taken away:
+    the reference the other backends are tested against computes everything in torch,
+    whatever the machine builds."""
+    from meshserve.layers import kv_quant
+    from meshserve.layers.kernels import cpu_library
+    from meshserve.layers.rotary import RotaryEmbedding
+
+    monkeypatch.setattr(cpu_library, "ops", _NoNativeKernels())
+    torch.manual_seed(1)
+    backend = TorchBackend()
+    row = kv_quant.row_length(HEAD_DIM) if int8 else HEAD_DIM
+    cache = tuple(torch.zeros(16, BLOCK, KV_HEADS, row, dtype=torch.int8 if int8 else torch.float32)
+                  for _ in range(2))
+    tables = [[0, 1, 2], [3, 4], [5, 6]]
+    for query_lens, seq_lens in (([20, 9], [20, 9]), ([3, 1, 12], [23, 10, 12])):
+        n = sum(query_lens)
+        q, k, v = (torch.randn(n, h, HEAD_DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+        meta = backend.build_metadata(query_lens, seq_lens, tables[:len(query_lens)], BLOCK)
+        out = backend.attention(q, k, v, cache, meta, HEAD_DIM ** -0.5)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+    x, weight = torch.randn(n, 32), torch.rand(32)
+    normed, total = backend.rms_norm(x, weight, 1e-5, x)
+    torch.testing.assert_close(total, 2 * x)
+    assert backend.silu_and_mul(torch.randn(n, 64)).shape == (n, 32)
+    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0).lookup(torch.arange(n), torch.float32)
+    assert backend.rotary(rope, q, k)[0].shape == q.shape

@@ -2,18 +2,20 @@
 
 A simulated engine loop (random arrivals, prompt and output lengths, aborts, few KV
 blocks so that preemption happens) checks the invariants of DESIGN.md after every step,
-and a fake rank mirror applies each StepPlan, received through msgpack, the way
-`ModelRunner.apply_plan` does, and must hold the driver's token ids and block tables.
+and the ranks' SequenceMirror (engine/mirror.py, the one ModelRunner uses) applies each
+StepPlan, received through msgpack, and must hold the driver's token ids, block tables
+and computed counts. With context parallelism, the mirrors of the group's ranks must
+agree with the driver on who holds which token.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ENGINE_MODULES = ("meshserve.engine.scheduler", "meshserve.engine.block_manager", "meshserve.engine.plan",
-                  "meshserve.engine.sequence")
+                  "meshserve.engine.sequence", "meshserve.engine.mirror")
 
 
 def _torch_imported_by_engine_modules() -> str:
@@ -29,16 +31,17 @@ def _torch_imported_by_engine_modules() -> str:
 _TORCH_CHECK = _torch_imported_by_engine_modules()
 assert _TORCH_CHECK.startswith("False"), f"the scheduler modules import torch: {_TORCH_CHECK}"
 
-import msgspec  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from meshserve.comm.messages import SamplingParams, StepPlan, control_decoder, encoder  # noqa: E402
+from meshserve.comm.messages import NewSeq, SamplingParams, SeqDelta, StepPlan, control_decoder, encoder  # noqa: E402
 from meshserve.engine.block_manager import BlockManager  # noqa: E402
+from meshserve.engine.mirror import SequenceMirror  # noqa: E402
 from meshserve.engine.plan import PlanBuilder  # noqa: E402
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler  # noqa: E402
 from meshserve.engine.sequence import Sequence, SeqStatus  # noqa: E402
+from meshserve.parallel.context import chunk_owners, is_split, local_lens_of, rank_share  # noqa: E402
 
 
 def test_scheduler_modules_import_no_torch():
@@ -55,51 +58,11 @@ def fake_token(seq_id: int, position: int) -> int:
     return (seq_id * 7919 + position * 104729) % 49152
 
 
-# ---------------------------------------------------------------- the rank mirror
-
-
-@dataclass
-class MirrorSeq:
-    token_ids: list[int]
-    prompt_len: int
-    block_ids: list[int]
-    num_computed: int
-    params: SamplingParams
-
-
-@dataclass
-class RankMirror:
-    """`ModelRunner.apply_plan` + the `num_computed` bookkeeping of `execute`, without torch."""
-
-    seqs: dict[int, MirrorSeq] = field(default_factory=dict)
-    decoder: msgspec.msgpack.Decoder = field(default_factory=control_decoder)
-
-    def receive(self, wire: bytes) -> list[tuple[int, MirrorSeq, int]]:
-        plan = self.decoder.decode(wire)
-        assert isinstance(plan, StepPlan)
-        for seq_id in plan.dropped:
-            self.seqs.pop(seq_id, None)
-        batch = []
-        for d in plan.running:
-            seq = self.seqs[d.seq_id]
-            seq.token_ids.extend(d.new_token_ids)
-            seq.block_ids.extend(d.new_block_ids)
-            batch.append((d.seq_id, seq, d.num_new))
-        for n in plan.new:
-            seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
-            self.seqs[n.seq_id] = seq
-            batch.append((n.seq_id, seq, n.num_new))
-        return batch
-
-    @staticmethod
-    def sample_ids(batch: list[tuple[int, MirrorSeq, int]]) -> list[int]:
-        """Sequences whose last known token gets computed this step (ModelRunner.prepare)."""
-        return [sid for sid, seq, n in batch if seq.num_computed + n == len(seq.token_ids)]
-
-    @staticmethod
-    def executed(batch: list[tuple[int, MirrorSeq, int]]) -> None:
-        for _, seq, n in batch:
-            seq.num_computed += n
+def receive(wire: bytes) -> StepPlan:
+    """A plan as a rank gets it from the control plane."""
+    plan = control_decoder().decode(wire)
+    assert isinstance(plan, StepPlan)
+    return plan
 
 
 # ---------------------------------------------------------------- the simulation
@@ -170,7 +133,7 @@ def simulate(sc: Scenario) -> Outcome:
     bm = BlockManager(sc.num_blocks, sc.block_size)
     sched = Scheduler(bm, sc.max_num_seqs, sc.max_batched_tokens)
     plans = PlanBuilder()
-    mirror = RankMirror()
+    mirror = SequenceMirror()
     enc = encoder()
     order = sorted(range(len(sc.reqs)), key=lambda i: sc.reqs[i].arrival)  # stable: ties by index
     pending = list(order)
@@ -263,22 +226,26 @@ def simulate(sc: Scenario) -> Outcome:
             continue  # Engine.step() sends no plan; pending dropped ids go with the next one
         plan = plans.build(batch)
         assert plan.num_tokens == batch.num_tokens and plan.num_seqs == len(batch)
-        rank_batch = mirror.receive(enc.encode(plan))
-        assert [sid for sid, _, _ in rank_batch] == [s.seq_id for s in batch.seqs]
-        for (sid, mseq, n), seq, want_n in zip(rank_batch, batch.seqs, batch.num_new):
-            assert n == want_n
+        rank_plan = receive(enc.encode(plan))
+        chunks = mirror.apply(rank_plan)
+        assert [c.seq_id for c in chunks] == [s.seq_id for s in batch.seqs]
+        for c, seq, want_n in zip(chunks, batch.seqs, batch.num_new):
+            sid, mseq = c.seq_id, c.seq
+            assert c.num_new == want_n and mseq is mirror.seqs[sid]
             assert mseq.token_ids == seq.token_ids, f"seq {sid}: rank tokens differ from the driver's"
             assert mseq.block_ids == seq.block_ids, f"seq {sid}: rank block table differs from the driver's"
-            assert mseq.num_computed == seq.num_computed
+            # the driver counts the step's tokens when it finishes (update), the mirror when applied
+            assert c.start == seq.num_computed and mseq.num_computed == seq.num_computed + want_n
+            assert c.owners is None and mseq.local_lens == [] and mseq.local_positions == []
             assert mseq.prompt_len == seq.prompt_len and mseq.params == seq.params
         assert set(mirror.seqs) == {s.seq_id for s in live() if s.sent_tokens}, "rank holds stale or missing seqs"
 
         # --- the step "runs"; the sampling rank samples for seqs at the end of their tokens
-        to_sample = RankMirror.sample_ids(rank_batch)
+        to_sample = [c.seq_id for c in chunks if c.sampled]
         want_sample = [s.seq_id for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
         assert to_sample == want_sample
-        sampled = {sid: fake_token(sid, len(mirror.seqs[sid].token_ids)) for sid in to_sample}
-        RankMirror.executed(rank_batch)
+        assert mirror.sampled_after(rank_plan) == [(sid, seqs[sid].params) for sid in want_sample]
+        new_tokens = {sid: fake_token(sid, len(mirror.seqs[sid].token_ids)) for sid in to_sample}
 
         # Aborts that race the running step.
         for seq in live():
@@ -286,11 +253,12 @@ def simulate(sc: Scenario) -> Outcome:
                 end(seq, aborted)
 
         computed_before = {s.seq_id: s.num_computed for s in batch.seqs}
-        grown = sched.update(batch, sampled)
+        grown = sched.update(batch, new_tokens)
         assert [s.seq_id for s in grown] == [sid for sid in want_sample if seqs[sid].status is SeqStatus.RUNNING]
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.status is SeqStatus.RUNNING:
                 assert seq.num_computed == computed_before[seq.seq_id] + n
+                assert mirror.seqs[seq.seq_id].num_computed == seq.num_computed
         for seq in grown:
             assert seq.token_ids == expected_tokens(seq, seq.num_output_tokens)
             assert seq.num_uncomputed == 1
@@ -430,3 +398,62 @@ def test_single_request_filling_the_whole_cache(num_blocks, block_size):
     out = simulate(sc)
     check_outcome(sc, out)
     assert out.preemptions == 0
+
+
+# ---------------------------------------------------------------- context parallelism
+
+
+@settings(max_examples=80, deadline=None)
+@given(cp_size=st.sampled_from([2, 3, 4]), chunks=st.lists(st.integers(1, 20), min_size=1, max_size=10))
+def test_cp_mirrors_agree_with_the_driver_on_who_holds_which_token(cp_size, chunks):
+    # One prompt computed in these chunks: every rank of the group applies the same plans.
+    params = SamplingParams(max_tokens=1)
+    prompt = [fake_token(1, p) for p in range(sum(chunks))]
+    mirrors = [SequenceMirror(rank, cp_size) for rank in range(cp_size)]
+    driver = Sequence(0, 0, list(prompt), len(prompt), params, cp_local_lens=[0] * cp_size)
+    blocks = BlockManager(1, 1, cp_size)
+    enc = encoder()
+    start = 0
+    for step, n in enumerate(chunks):
+        if step == 0:
+            plan = StepPlan(step, [], [NewSeq(0, prompt, len(prompt), [0], 0, n, params)], [])
+        else:
+            plan = StepPlan(step, [SeqDelta(0, [], [], n)], [], [])
+        wire = enc.encode(plan)
+        owners = chunk_owners(driver.cp_local_lens, n)
+        for m in mirrors:
+            (c,) = m.apply(receive(wire))
+            assert (c.start, c.num_new, c.owners) == (start, n, owners)
+            assert c.held == driver.cp_local_lens[m.cp_rank]
+            assert c.sampled == (start + n == len(prompt))
+        # the share of each rank: stored tokens partition the chunk, queries are all or one's own
+        shares = [rank_share(start, owners, rank, cp_size) for rank in range(cp_size)]
+        assert sorted(p for s in shares for p in s.stored) == list(range(start, start + n))
+        for s in shares:
+            assert s.split == is_split(n, cp_size)
+            assert s.queries == (s.stored if s.split else list(range(start, start + n)))
+            assert [s.queries[r] for r in s.stored_rows] == s.stored
+        blocks.computed(driver, n)
+        start += n
+        held = [m.seqs[0] for m in mirrors]
+        want_lens = local_lens_of(chunks[:step + 1], cp_size)
+        assert want_lens == driver.cp_local_lens
+        for seq in held:
+            assert seq.num_computed == start == driver.num_computed
+            assert seq.local_lens == want_lens
+        positions = [seq.local_positions for seq in held]
+        assert [len(p) for p in positions] == want_lens
+        assert all(p == sorted(p) for p in positions)
+        assert sorted(p for ps in positions for p in ps) == list(range(start))
+
+
+def test_cp_mirror_refuses_a_cached_prefix_and_changes_nothing():
+    params = SamplingParams()
+    mirror = SequenceMirror(0, 2)
+    mirror.apply(StepPlan(0, [], [NewSeq(0, [1, 2, 3], 3, [0], 0, 2, params)], []))
+    cached = StepPlan(1, [SeqDelta(0, [], [], 1)], [NewSeq(1, [1, 2, 3], 3, [1], 2, 1, params)], [0])
+    with pytest.raises(ValueError, match="seq 1: a cached prefix with context parallelism is not supported"):
+        mirror.apply(cached)
+    assert list(mirror.seqs) == [0] and mirror.seqs[0].num_computed == 2
+    (c,) = SequenceMirror().apply(StepPlan(0, [], [NewSeq(1, [1, 2, 3], 3, [1], 2, 1, params)], []))
+    assert (c.start, c.num_new, c.sampled, c.owners) == (2, 1, True, None)

@@ -11,7 +11,8 @@ from meshserve.configs import load_config
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.validate import check_config
 from meshserve.layers.attention import build_attention_metadata
-from meshserve.layers.backend import CpuBackend, TorchBackend, resolve_backend_name, select_backend
+from meshserve.layers.backend import TorchBackend, resolve_backend_name, select_backend
+from meshserve.layers.kernels.cpu_backend import CpuBackend
 from meshserve.layers.kernels import cpu_attention, triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")

@@ -7,7 +7,9 @@ which), densely in position order under the shared block table. In a step:
 - a short chunk (a decode token) is replicated: every rank computes it, attends over its
   own share, and the partial outputs are merged exactly through their LSEs.
 Only the owner of a token writes its K/V. The attention with LSE itself is the kernel
-backend's (meshserve.layers.backend): torch's CPU flash attention, or Triton kernels.
+backend's (meshserve.layers.backend: its `ContextParallelBackend` wraps a rank's kernel
+backend with this module's metadata and attention): torch's CPU flash attention
+(`decode_lse` below and ring_attention.flash_part, the torch reference), or Triton kernels.
 """
 
 from __future__ import annotations
