@@ -65,12 +65,18 @@ def check_admissible(params: SamplingParams, vocab_size: int, max_model_len: int
                                        f"max_tokens={params.max_tokens} leaves no room for a prompt", "max_tokens")
 
 
+def check_chars(chars: int, max_model_len: int, param: str = "prompt") -> None:
+    """Refuses text far too long for the context before it is tokenized: more than
+    MAX_CHARS_PER_TOKEN characters per token of context. `param`: what the text is."""
+    if chars > MAX_CHARS_PER_TOKEN * max_model_len:
+        raise RequestError("too_long", f"the {param}: {chars} characters, far more than the model's maximum "
+                                       f"context of {max_model_len} tokens", param)
+
+
 def encode_prompt(tokenizer, text: str, max_model_len: int) -> list[int]:
     """Tokenize a prompt string, refusing one far too long for the context cheaply: by its
     length, then by the tokens of its first part (tokenizing 0.5 M characters takes 0.4-2 s)."""
-    if len(text) > MAX_CHARS_PER_TOKEN * max_model_len:
-        raise RequestError("too_long", f"the prompt has {len(text)} characters, far more than the model's maximum "
-                                       f"context of {max_model_len} tokens", "prompt")
+    check_chars(len(text), max_model_len)
     probe = PROBE_CHARS_PER_TOKEN * max_model_len
     if len(text) > probe:
         head = len(tokenizer.encode(text[:probe]))

@@ -18,10 +18,7 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -33,15 +30,11 @@ import zmq
 
 from meshserve.configs.cpu_features import cpu_features
 
+from bench_http import Served, free_port
+
 REPO = Path(__file__).resolve().parent.parent
 MIB16 = 16 << 20
 NORMAL = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _flood(item: bytes, key: bytes = b"prompt", extra: bytes = b', "max_tokens": 1') -> bytes:
@@ -75,29 +68,20 @@ def zmq_attacks(max_model_len: int) -> dict[str, list[bytes]]:
     }
 
 
-class Deployment:
+class Deployment(Served):
+    """`meshserve serve` with these overrides on free ports, and what its processes use."""
+
     def __init__(self, overrides: list[str], log: Path):
         self.http_port, self.zmq_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"server.http=127.0.0.1:{self.http_port}",
                "--set", f"server.zmq=tcp://127.0.0.1:{self.zmq_port}"]
         for o in overrides:
             cmd += ["--set", o]
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        super().__init__("meshserve", cmd, log)
         self.url = f"http://127.0.0.1:{self.http_port}"
 
     def wait(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise SystemExit("the server did not become healthy")
+        self.wait_http(self.url, timeout)
 
     def pids(self) -> list[int]:
         """The launcher and every process below it."""
@@ -136,15 +120,6 @@ class Deployment:
             except OSError:
                 pass
         return total
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
 
 
 class Prober:

@@ -48,7 +48,7 @@ from meshserve.engine.serving.http_protocol import limited_protocol
 from meshserve.engine.serving.request_body import MAX_BODY_BYTES, parse_body
 from meshserve.engine.serving.tokenize_pool import TokenizePool
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.engine.admission import MAX_CHARS_PER_TOKEN, RequestError, admit_prompt, check_prompt
+from meshserve.engine.admission import RequestError, admit_prompt, check_chars, check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +286,10 @@ class HttpFrontend:
         self._check_common(req)
         messages = [m.as_template_input() for m in req.messages]
         chars = sum(len(m["content"]) for m in messages)
-        if chars > MAX_CHARS_PER_TOKEN * self.max_model_len:
-            raise OpenAIError(400, f"the messages have {chars} characters, far more than the model's maximum "
-                                   f"context of {self.max_model_len} tokens", param="messages",
-                              code="context_length_exceeded")
+        try:
+            check_chars(chars, self.max_model_len, "messages")
+        except RequestError as e:
+            raise from_request_error(e, "messages") from None
         ids = await self._in_thread(chars + len(messages), self._encode_chat, messages)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
         return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, ChatShapes, "messages")

@@ -15,9 +15,12 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from meshserve.engine.serving.openai_protocol import OpenAIError
+
 
 def error_body(status: int, message: str, type_: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    """OpenAI's error body (openai_protocol.OpenAIError's shape), encoded."""
+    return json.dumps(OpenAIError(status, message, type_, code=code).body()).encode()
 
 
 def raw_response(status: int, reason: str, body: bytes) -> bytes:

@@ -36,7 +36,7 @@ from meshserve.comm.messages import (ErrorReply, GenerateRequest, RankStats, Rea
 from meshserve.engine.serving.zmq_frontend import MAX_REQUEST_BYTES
 from meshserve.launcher.cli import main
 from support.checkpoints import make_checkpoint
-from support.server import MeshserveProcess, free_port
+from support.server import MeshserveProcess, free_port, http_url
 
 SECRET = "fuzz-secret-0123456789"
 API_KEY = "fuzz-api-key"
@@ -69,10 +69,7 @@ def served(tmp_path_factory, tokenizer_dir) -> Served:
          "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=16MiB"],
         root, env=env)
     try:
-        line = proc.wait_ready(180)
-        m = re.search(r"http=(http://127\.0\.0\.1:\d+)", line)
-        assert m and f"zmq={zmq_address}" in line, line
-        yield Served(proc, zmq_address, m.group(1), control_addresses(proc))
+        yield Served(proc, zmq_address, http_url(proc.wait_ready(180), zmq_address), control_addresses(proc))
     finally:
         proc.kill()
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from meshserve.client import Client
 from meshserve.comm.messages import ErrorReply, server_decoder
 from support.checkpoints import make_checkpoint
-from support.server import MeshserveProcess, free_port
+from support.server import MeshserveProcess, free_port, http_url
 
 API_KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -68,10 +68,7 @@ def served(tmp_path_factory, tokenizer_dir) -> Served:
          "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=16MiB"],
         root, env=env)
     try:
-        line = proc.wait_ready(180)
-        m = re.search(r"http=(http://127\.0\.0\.1:\d+)", line)
-        assert m and f"zmq={zmq_address}" in line, line
-        yield Served(proc, zmq_address, m.group(1), str(ckpt))
+        yield Served(proc, zmq_address, http_url(proc.wait_ready(180), zmq_address), str(ckpt))
         print(f"\nbad inputs tried: {tried}")
         assert proc.stop() == 0, proc.tail()
     finally:

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.client import Client
 from support.checkpoints import smollm2_tokenizer
-from support.server import MeshserveProcess, free_port
+from support.server import MeshserveProcess, free_port, http_url
 
 MODEL = "smollm2-135m-instruct"
 """The name the server gives model.path=builtin:smollm2-135m-instruct (its default)."""
@@ -56,11 +56,7 @@ def served(tmp_path_factory) -> Served:
          "--drain-timeout", "600"],
         tmp_path_factory.mktemp("http_api"))
     try:
-        line = proc.wait_ready(240)
-        m = re.search(r"http=(http://127\.0\.0\.1:\d+)", line)
-        assert m, f"the ready line has no HTTP address: {line!r}"
-        assert f"zmq={zmq}" in line
-        yield Served(proc, m.group(1), zmq)
+        yield Served(proc, http_url(proc.wait_ready(240), zmq), zmq)
     finally:
         proc.kill()
 

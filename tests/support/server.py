@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def http_url(ready_line: str, zmq_address: str | None = None) -> str:
+    """The HTTP address a `ready` line announces (checking it also names `zmq_address`)."""
+    m = re.search(r"http=(http://127\.0\.0\.1:\d+)", ready_line)
+    assert m, f"the ready line has no HTTP address: {ready_line!r}"
+    assert zmq_address is None or f"zmq={zmq_address}" in ready_line, ready_line
+    return m.group(1)
 
 
 class MeshserveProcess:
