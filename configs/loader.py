@@ -6,11 +6,12 @@ dotted key, so an operator can fix it without reading code.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.schema import SECRET_KEYS, Config
@@ -50,11 +51,27 @@ def _dotted(loc: tuple[Any, ...]) -> str:
 def _describe(err: dict[str, Any]) -> str:
     where = _dotted(err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"{where}: unknown key"
+        return f"{where}: unknown key{_suggestion(err['loc'])}"
     given = err.get("input")
     secret = len(err["loc"]) >= 2 and err["loc"][0] == "server" and err["loc"][1] in SECRET_KEYS
     shown = "" if isinstance(given, dict) or secret else f" (got {given!r})"
     return f"{where}: {err['msg']}{shown}"
+
+
+def _suggestion(loc: tuple[Any, ...]) -> str:
+    """` (did you mean scheduler.max_num_seqs?)` for a misspelt key, or the section's keys."""
+    section: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return ""
+        section = field.annotation
+    known = list(section.model_fields)
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {prefix}{close[0]}?)"
+    return f" (the keys of {prefix.rstrip('.') or 'the top level'}: {', '.join(known)})"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -68,6 +85,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{source}: no such config file")
         try:
             loaded = yaml.safe_load(p.read_text())
+        except UnicodeDecodeError:
+            raise ConfigError(f"{source}: not a YAML config (not even text); a GGUF model is served with "
+                              f"`meshserve serve FILE.gguf`") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{source}: not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -80,6 +80,30 @@ def client_security_problems(config: Config) -> list[str]:
     return []
 
 
+LOCAL_HOSTS = ("127.", "localhost", "[::1]", "::1")
+
+
+def _exposed(address: str | None) -> bool:
+    """Whether a server address listens beyond this machine (tcp on another interface)."""
+    if address is None or "://" in address and not address.startswith("tcp://"):
+        return False  # off, ipc:// or inproc://
+    host = address.removeprefix("tcp://").rpartition(":")[0]
+    return not host.startswith(LOCAL_HOSTS)
+
+
+def exposure_warnings(config: Config) -> list[str]:
+    """Servers listening beyond this machine with nothing asked of their clients: legal
+    (a private network may be trusted), but said before start-up."""
+    out = []
+    if _exposed(config.server.zmq) and config.server.secret is None:
+        out.append(f"server.zmq={config.server.zmq} listens beyond this machine without server.secret (or "
+                   f"MESHSERVE_SECRET): anyone who reaches it can generate")
+    if _exposed(config.server.http) and config.server.api_key is None:
+        out.append(f"server.http={config.server.http} listens beyond this machine without server.api_key (or "
+                   f"MESHSERVE_API_KEY, or --api-key): anyone who reaches it can generate")
+    return out
+
+
 def kernel_problems(config: Config, cpu: CpuFeatures | None = None) -> list[str]:
     """device.kernels=triton needs CUDA and triton (looked up, not imported: no torch
     here); device.kernels=cpu needs the CPU; device.cpu_isa a build this CPU runs."""

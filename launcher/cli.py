@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import yaml
 
@@ -16,39 +17,65 @@ from meshserve.configs import ConfigError, load_config
 from meshserve.configs.memory import MemoryPlan, plan_memory
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config, redacted
-from meshserve.configs.validate import check_config
-from meshserve.launcher.env import api_key_from_environ, secrets_from_environ
+from meshserve.configs.validate import check_config, exposure_warnings
+from meshserve.launcher import flags
+from meshserve.launcher.env import api_key_from_environ, export_api_key, secrets_from_environ
 from meshserve.launcher.errors import StartupError
 
 
-def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("config", nargs=None if required else "?", help="YAML config (default: the built-in SmolLM2 on CPU)")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, but not one that says nothing (None, an empty list, off)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, [], False) else super()._get_help_string(action)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", nargs="?", metavar="CONFIG_OR_MODEL",
+                   help="a YAML config (.yaml, .yml), or a model to serve with the defaults: a .gguf file or a "
+                        "Hugging Face directory (default: the built-in SmolLM2 on CPU)")
+    p.add_argument("--config", default=None, metavar="FILE.yaml", help="a YAML config, beside a model given as "
+                                                                      "CONFIG_OR_MODEL")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set parallel.tensor=2 (repeatable)")
+                   help="override a config key, e.g. --set parallel.tensor=2 (repeatable; applied last)")
     p.add_argument("--node-rank", type=int, default=None, metavar="K",
                    help="this node's rank, 0 .. cluster.nodes-1, when the config spans several nodes")
     # Set by `meshserve serve`/`generate` on the ranks they start: run as one rank of the launcher's world.
     p.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
+    flags.add_flags(p)
+
+
+def _version() -> str:
+    try:
+        return version("meshserve")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
+
+
+class _SubParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description="Distributed LLM serving runtime")
+    parser.add_argument("--version", action="version", version=f"meshserve {_version()}")
     # deepspeed's launcher (and torch.distributed.launch) put --local_rank=N before the command;
     # the rank reads LOCAL_RANK from the environment instead.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubParser)
 
     p = sub.add_parser("serve", help="serve a model over ZMQ (and HTTP)")
-    _add_config_args(p, required=False)
+    _add_config_args(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
 
     p = sub.add_parser("worker", help="one rank, under torchrun / mpirun / the deepspeed launcher")
-    _add_config_args(p, required=False)
+    _add_config_args(p)
     p.add_argument("--drain-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
 
     p = sub.add_parser("generate", help="offline batch generation through the same engine")
-    _add_config_args(p, required=False)
+    _add_config_args(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -59,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token_ids)")
 
     p = sub.add_parser("check", help="validate a config and print the resolved config and memory plan")
-    _add_config_args(p, required=False)
+    _add_config_args(p)
 
     _add_bench_parser(sub)
     return parser
@@ -100,8 +127,16 @@ def _add_bench_parser(sub) -> None:
 
 
 def load(args: argparse.Namespace) -> tuple[Config, ModelInfo, MemoryPlan]:
-    source = args.config or "<builtin default>"
-    config = secrets_from_environ(load_config(args.config, args.overrides))
+    path, model = flags.split_target(args.target, args.config)
+    source = path or "<builtin default>"
+    base = flags.overrides(args, model)
+    config = load_config(path, base + args.overrides)
+    http = flags.http_override(args, config.server.http)
+    if http:
+        config = load_config(path, base + http + args.overrides)
+    config = secrets_from_environ(config)
+    for warning in [] if args.as_rank else exposure_warnings(config):  # said once, by the launching process
+        logging.getLogger("meshserve").warning("%s", warning)
     logging.getLogger("meshserve").info("checking the config against the model (%s)", config.model.path)
     info = check_config(config, source)
     return config, info, plan_memory(config, info, source)
@@ -113,7 +148,14 @@ def _mib(n: int) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     config, info, memory = load(args)
-    print(yaml.safe_dump(redacted(config), sort_keys=False).rstrip())
+    data = redacted(config)
+    resolved = []
+    if data["model"]["max_model_len"] is None:
+        data["model"]["max_model_len"] = memory.max_model_len
+        resolved.append("model.max_model_len")
+    print(yaml.safe_dump(data, sort_keys=False).rstrip())
+    if resolved:
+        print(f"# resolved from the model and the memory plan: {', '.join(resolved)}")
     print(f"# model: {info.architecture} ({info.format}) {info.num_hidden_layers} layers, hidden {info.hidden_size}, "
           f"{info.num_attention_heads} heads / {info.num_key_value_heads} KV heads, vocab {info.vocab_size}, "
           f"{info.num_parameters / 1e6:.1f}M parameters")
@@ -142,7 +184,9 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
         return run_rank(config, info, memory, RankEnv(), mode_factory())
     from meshserve.launcher.spawn import spawn_local_ranks
 
-    return spawn_local_ranks(config, ["-m", "meshserve.launcher.cli", *args.argv, "--as-rank"],
+    if args.api_key is not None:
+        export_api_key(args.api_key)
+    return spawn_local_ranks(config, ["-m", "meshserve.launcher.cli", *flags.without_api_key(args.argv), "--as-rank"],
                              shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15, node_rank=args.node_rank)
 
 

@@ -109,6 +109,11 @@ def elastic_error_file() -> str | None:
     return os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
 
+def export_api_key(key: str) -> None:
+    """Give the ranks this process starts the API key in their environment (--api-key)."""
+    os.environ[SECRET_VARIABLES["api_key"]] = key
+
+
 def api_key_from_environ() -> str | None:
     """MESHSERVE_API_KEY, for `meshserve bench --api-key`'s default."""
     return os.environ.get(SECRET_VARIABLES["api_key"]) or None

@@ -26,10 +26,12 @@ class GenerateMode:
         except RequestError as e:
             print(f"meshserve: bad request: {e.message}", file=sys.stderr)
             return 1
-        for prompt, result in zip(self.prompts, results):
+        for i, (prompt, result) in enumerate(zip(self.prompts, results), 1):
             if self.as_json:
                 print(json.dumps({"prompt": prompt, "text": result.text, "token_ids": result.token_ids,
                                   "finish_reason": result.finish_reason}), flush=True)
-            else:
+            elif len(self.prompts) == 1:
                 print(result.text, flush=True)
+            else:  # a header per prompt: the texts may span lines, or be empty
+                print(f"{'' if i == 1 else chr(10)}[{i}/{len(self.prompts)}] {prompt}\n{result.text}", flush=True)
         return 0

@@ -59,17 +59,23 @@ def modified_checkpoint(tiny_checkpoints, tmp_path: Path, **changes) -> Path:
 
 def test_unknown_top_level_key_names_file_and_key(tmp_path):
     p = write(tmp_path, "typo.yaml", "modle:\n  dtype: float32\n")
-    assert load_error(p) == f"{p}: modle: unknown key"
+    assert load_error(p) == f"{p}: modle: unknown key (did you mean model?)"
 
 
 def test_unknown_nested_key_names_dotted_path(tmp_path):
     p = write(tmp_path, "nested.yaml", "parallel:\n  tensor: 1\n  tensr: 2\n")
-    assert load_error(p) == f"{p}: parallel.tensr: unknown key"
+    assert load_error(p) == f"{p}: parallel.tensr: unknown key (did you mean parallel.tensor?)"
 
 
 def test_unknown_key_from_override_names_dotted_path():
     msg = load_error(None, ["scheduler.max_num_seq=8"])
-    assert msg == f"{BUILTIN_SOURCE}: scheduler.max_num_seq: unknown key"
+    assert msg == f"{BUILTIN_SOURCE}: scheduler.max_num_seq: unknown key (did you mean scheduler.max_num_seqs?)"
+
+
+def test_an_unknown_key_like_no_other_lists_its_section():
+    msg = load_error(None, ["cache.qqq=1"])
+    assert msg == (f"{BUILTIN_SOURCE}: cache.qqq: unknown key (the keys of cache: block_size, memory, num_blocks, "
+                   f"dtype)")
 
 
 def test_several_schema_errors_are_all_reported(tmp_path):
