@@ -6,8 +6,8 @@
 """
 
 from meshserve.client.aio import AsyncClient
-from meshserve.client.errors import MeshserveError, RequestTimeout
+from meshserve.client.errors import MeshserveError, RequestTimeout, ServerUnreachable
 from meshserve.client.sync import Client
 from meshserve.comm.messages import Completion, Delta
 
-__all__ = ["AsyncClient", "Client", "Completion", "Delta", "MeshserveError", "RequestTimeout"]
+__all__ = ["AsyncClient", "Client", "Completion", "Delta", "MeshserveError", "RequestTimeout", "ServerUnreachable"]

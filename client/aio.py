@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
-from meshserve.client.errors import RequestTimeout
+from meshserve.client.errors import RequestTimeout, ServerUnreachable
 from meshserve.client.frames import Wire, check_new, delivered, ends
 from meshserve.client.request import make_request
 from meshserve.comm.messages import Completion, Delta
@@ -17,10 +17,10 @@ from meshserve.comm.messages import Completion, Delta
 
 class AsyncClient:
     def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0,
-                 secret: str | None = None, curve: bool = False):
-        """`secret`: the server's shared secret (server.secret), if it has one. `curve`: the
-        server has server.curve (CURVE-encrypted connections; needs `secret`)."""
-        self.address, self.timeout = address, timeout
+                 secret: str | None = None, curve: bool = False, connect_timeout: float | None = 10.0):
+        """As Client: `timeout` per message of a reply, `secret` and `curve` as the
+        server's, `connect_timeout` for a connection to the server."""
+        self.address, self.timeout, self.connect_timeout = address, timeout, connect_timeout
         self._wire = Wire(secret, curve)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -32,10 +32,13 @@ class AsyncClient:
     async def generate(self, prompt: str | Sequence[int], *, stream: bool = False, timeout: float | None = None,
                        request_id: str | None = None, **params) -> Completion | AsyncIterator[Delta]:
         """As Client.generate; with stream=True, `await` returns an async iterator of Deltas."""
+        req = make_request("AsyncClient.generate", prompt, request_id=request_id, stream=stream, params=params)
+        check_new(req.request_id, self._queues)
+        wait = None if self.connect_timeout is None else int(self.connect_timeout * 1000)
+        if not await self._sock.poll(wait, zmq.POLLOUT):
+            raise ServerUnreachable(self.address, self.connect_timeout)
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-        req = make_request(prompt, request_id=request_id, stream=stream, **params)
-        check_new(req.request_id, self._queues)
         self._queues[req.request_id] = asyncio.Queue()
         await self._sock.send(self._wire.request(req))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
@@ -62,7 +65,7 @@ class AsyncClient:
                 try:
                     msg = await asyncio.wait_for(queue.get(), timeout)
                 except asyncio.TimeoutError:
-                    raise RequestTimeout(request_id, timeout) from None
+                    raise RequestTimeout(request_id, timeout, self.address) from None
                 finished = ends(msg)
                 yield delivered(msg)
                 if finished:

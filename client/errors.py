@@ -14,5 +14,16 @@ class MeshserveError(Exception):
 class RequestTimeout(MeshserveError):
     """No message from the server within the timeout; the request was aborted."""
 
-    def __init__(self, request_id: str, timeout: float):
-        super().__init__("timeout", f"no reply within {timeout} s", request_id)
+    def __init__(self, request_id: str, timeout: float, address: str = "the server"):
+        super().__init__("timeout", f"no reply from {address} within {timeout:g} s", request_id)
+
+
+class ServerUnreachable(MeshserveError):
+    """No connection to a server at the client's address within its connect timeout."""
+
+    def __init__(self, address: str, timeout: float):
+        super().__init__("unreachable", f"no meshserve server accepted a connection at {address} within "
+                                        f"{timeout:g} s: is `meshserve serve` running with server.zmq={address}? "
+                                        f"(a server with server.curve takes only clients with curve=True and its "
+                                        f"secret)")
+        self.address = address

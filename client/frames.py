@@ -21,8 +21,11 @@ class Wire:
         self._encoder, self._decoder = encoder(), server_decoder()
 
     def setup(self, sock: zmq.Socket) -> None:
-        """Before connecting `sock`."""
+        """Before connecting `sock`. IMMEDIATE: a request is queued only on a connection that
+        completed its handshake, so `sock` is writable (POLLOUT) only once a server answers,
+        which is what the clients' connect timeout waits for."""
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.curve:
             make_curve_client(sock, self.secret, "client")
 

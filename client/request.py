@@ -1,24 +1,45 @@
-"""Building the GenerateRequest both clients send."""
+"""Building the GenerateRequest both clients send, checked on the client: a misspelt or
+mistyped keyword fails at the call, named as the caller wrote it."""
 
 from __future__ import annotations
 
+import difflib
+import re
 import uuid
 from collections.abc import Sequence
+from typing import Any
+
+import msgspec
 
 from meshserve.comm.messages import GenerateRequest, SamplingParams
 
+PARAMS = tuple(SamplingParams.__struct_fields__)
+"""The keywords `generate` takes beyond the prompt: max_tokens, temperature, top_p, top_k,
+seed, stop, stop_token_ids, min_tokens, ignore_eos, logprobs, skip_special_tokens."""
 
-def make_request(prompt: str | Sequence[int], *, request_id: str | None, stream: bool, max_tokens: int = 16,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-                 min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
-                 skip_special_tokens: bool = True) -> GenerateRequest:
-    params = SamplingParams(
-        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=[stop] if isinstance(stop, str) else list(stop or []), stop_token_ids=list(stop_token_ids or []),
-        ignore_eos=ignore_eos, logprobs=logprobs, skip_special_tokens=skip_special_tokens,
-    )
+_PATH = re.compile(r" - at `\$\.(\w+)[^`]*`$")
+
+
+def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | None, stream: bool,
+                 params: dict[str, Any]) -> GenerateRequest:
+    """`caller`: the method the user called (for the error messages), e.g. "Client.generate"."""
+    unknown = [k for k in params if k not in PARAMS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], PARAMS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(PARAMS)}"
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}{hint}")
+    params = {k: v for k, v in params.items() if v is not None}  # None: the default, as in the HTTP API
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    try:
+        sampling = msgspec.convert(params, SamplingParams)
+    except msgspec.ValidationError as e:
+        m = _PATH.search(str(e))
+        raise ValueError(f"{caller}(): {m.group(1) + ': ' if m else ''}{_PATH.sub('', str(e))}") from None
     rid = request_id or uuid.uuid4().hex
     if isinstance(prompt, str):
-        return GenerateRequest(rid, prompt=prompt, params=params, stream=stream)
-    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=params, stream=stream)
+        return GenerateRequest(rid, prompt=prompt, params=sampling, stream=stream)
+    if not isinstance(prompt, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise TypeError(f"{caller}(): the prompt is a string or a sequence of token ids (ints), "
+                        f"got {type(prompt).__name__}")
+    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=sampling, stream=stream)

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import zmq
 
-from meshserve.client.errors import MeshserveError, RequestTimeout
+from meshserve.client.errors import MeshserveError, RequestTimeout, ServerUnreachable
 from meshserve.client.frames import Wire, check_new, delivered, ends
 from meshserve.client.request import make_request
 from meshserve.comm.messages import Completion, Delta, ErrorReply
@@ -18,11 +18,12 @@ from meshserve.comm.messages import Completion, Delta, ErrorReply
 
 class Client:
     def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 300.0,
-                 secret: str | None = None, curve: bool = False):
+                 secret: str | None = None, curve: bool = False, connect_timeout: float | None = 10.0):
         """`timeout`: seconds to wait for each message of a reply before giving up. `secret`:
         the server's shared secret (server.secret), if it has one. `curve`: the server has
-        server.curve (CURVE-encrypted connections; needs `secret`)."""
-        self.address, self.timeout = address, timeout
+        server.curve (CURVE-encrypted connections; needs `secret`). `connect_timeout`:
+        seconds a request waits for a connection to the server before ServerUnreachable."""
+        self.address, self.timeout, self.connect_timeout = address, timeout, connect_timeout
         self._wire = Wire(secret, curve)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -36,9 +37,13 @@ class Client:
         top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos, logprobs,
         skip_special_tokens. stream=False returns a Completion; stream=True an iterator of
         Deltas, the last with finish_reason and usage. Raises MeshserveError on an error
-        reply and RequestTimeout (after aborting) when the server stays silent."""
-        req = make_request(prompt, request_id=request_id, stream=stream, **params)
+        reply, ServerUnreachable when no server is connected within connect_timeout, and
+        RequestTimeout (after aborting) when the server stays silent."""
+        req = make_request("Client.generate", prompt, request_id=request_id, stream=stream, params=params)
         check_new(req.request_id, self._pending)
+        wait = None if self.connect_timeout is None else int(self.connect_timeout * 1000)
+        if not self._sock.poll(wait, zmq.POLLOUT):
+            raise ServerUnreachable(self.address, self.connect_timeout)
         self._pending[req.request_id] = collections.deque()
         self._sock.send(self._wire.request(req))
         deltas = self._deltas(req.request_id, self.timeout if timeout is None else timeout)
@@ -77,7 +82,7 @@ class Client:
         while not queue:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._sock.poll(None if wait is None else int(wait * 1000)):
-                raise RequestTimeout(request_id, timeout)
+                raise RequestTimeout(request_id, timeout, self.address)
             msg = self._wire.read(self._sock.recv())
             if msg.request_id is None and isinstance(msg, ErrorReply):
                 raise MeshserveError(msg.code, msg.message)

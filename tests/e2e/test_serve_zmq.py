@@ -584,16 +584,32 @@ BAD_REQUESTS = {
 }
 
 
+CLIENT_CHECKED = {"negative temperature": "temperature", "top_p 0": "top_p", "max_tokens 0": "max_tokens"}
+"""Cases the client refuses before sending (naming the keyword); sent by hand, the server
+refuses them too."""
+
+
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_bad_request_is_refused_and_the_server_goes_on(case, client, reference, solo):
+def test_bad_request_is_refused_and_the_server_goes_on(case, client, raw, reference, solo):
     prompt, params, code, words = BAD_REQUESTS[case]
     rid = f"bad-{uuid.uuid4().hex[:8]}"
-    with pytest.raises(MeshserveError) as e:
-        client.generate(prompt, request_id=rid, **{"max_tokens": 4, "temperature": 0, **params})
-    assert e.value.code == code, e.value
-    assert e.value.request_id == rid, e.value
+    params = {"max_tokens": 4, "temperature": 0, **params}
+    if case in CLIENT_CHECKED:
+        with pytest.raises(ValueError, match=rf"Client.generate\(\): {CLIENT_CHECKED[case]}: "):
+            client.generate(prompt, request_id=rid, **params)
+        # msgspec does not validate on construction: the server's own check is what refuses it
+        raw.send(raw.encoder.encode(GenerateRequest(rid, prompt=prompt, params=SamplingParams(**params))))
+        err = raw.recv()
+        assert isinstance(err, ErrorReply) and err.code == code, err
+        message = err.message
+    else:
+        with pytest.raises(MeshserveError) as e:
+            client.generate(prompt, request_id=rid, **params)
+        assert e.value.code == code, e.value
+        assert e.value.request_id == rid, e.value
+        message = e.value.message
     for w in words:
-        assert w in e.value.message, (w, e.value.message)
+        assert w in message, (w, message)
     good = client.generate(reference.prompts[0], max_tokens=2, temperature=0)
     assert good.token_ids == solo(reference.prompts[0], 16).token_ids[:2]
 

@@ -1,6 +1,6 @@
 """server.curve: the client-facing ROUTER socket as a CURVE server, with real sockets on both
 sides. Oracles: a client with the secret and curve=True gets its reply; a client without
-CURVE, or with another secret, gets nothing and starts nothing (the step loop's inbox stays
+CURVE, or with another secret, never connects (ServerUnreachable) and starts nothing (the step loop's inbox stays
 empty); a config with server.curve and no secret is an error before any rank starts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from meshserve.client import Client, RequestTimeout
+from meshserve.client import Client, ServerUnreachable
 from meshserve.comm.messages import Delta, Usage
 from meshserve.configs import load_config
 from meshserve.configs.validate import client_security_problems
@@ -52,8 +52,8 @@ def test_a_curve_client_with_the_secret_is_served(frontend):
 @pytest.mark.parametrize("kwargs", [{"secret": SECRET}, {"secret": "another secret", "curve": True}, {}])
 def test_clients_without_the_curve_keys_reach_nothing(frontend, kwargs):
     front, inbox = frontend
-    with Client(front.address, timeout=2, **kwargs) as c:
-        with pytest.raises(RequestTimeout):
+    with Client(front.address, connect_timeout=2, **kwargs) as c:
+        with pytest.raises(ServerUnreachable, match=front.address):
             c.generate([1, 2, 3], max_tokens=1)
     with pytest.raises(queue.Empty):
         inbox.get(timeout=0.5)
