@@ -42,8 +42,8 @@ from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParam
 from meshserve.configs.schema import HttpLimits
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
 from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, CompletionRequest,
-                                              CompletionShapes, LogprobFormatter, OpenAIError, engine_error,
-                                              from_request_error, usage_dict)
+                                                      CompletionShapes, LogprobFormatter, OpenAIError, StreamOptions,
+                                                      engine_error, from_request_error, ignored_fields, usage_dict)
 from meshserve.engine.serving.http_protocol import limited_protocol
 from meshserve.engine.serving.request_body import MAX_BODY_BYTES, parse_body
 from meshserve.engine.serving.tokenize_pool import TokenizePool
@@ -53,6 +53,8 @@ from meshserve.engine.admission import RequestError, admit_prompt, check_chars, 
 log = logging.getLogger(__name__)
 
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+IGNORED_HEADER = "x-meshserve-ignored-fields"
+"""Response header naming the request's fields this server ignored (comma-separated)."""
 TOKENIZER_THREADS = 1
 """One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
 threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
@@ -161,6 +163,8 @@ class HttpFrontend:
         self._loop = asyncio.new_event_loop()
         self._routes: dict[RequestKey, tuple[asyncio.Queue, int]] = {}
         self._tokenize_pool = TokenizePool(TOKENIZER_THREADS, "meshserve-http-tokenize")
+        self._ignored_logged: set[str] = set()
+        """Names of ignored request fields already logged (each once)."""
         self._token_text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._responses = Counter("meshserve_http_responses", "HTTP responses by path and status", ["path", "status"],
                                   registry=self.registry)
@@ -324,11 +328,24 @@ class HttpFrontend:
             raise
         finally:
             watcher.cancel()
+        headers = self._ignored_header(req)
         if not req.stream:
             run.close()
-            return self._whole(run, shapes, results, prompt_ids)
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return _EventStream(self._stream(run, shapes, first, include_usage, prompt_ids), run.close)
+            return self._whole(run, shapes, results, prompt_ids, headers)
+        options = req.stream_options or StreamOptions()
+        usage = "continuous" if options.continuous_usage_stats else "final" if options.include_usage else None
+        return _EventStream(self._stream(run, shapes, first, usage, prompt_ids), run.close, headers)
+
+    def _ignored_header(self, req) -> dict[str, str]:
+        """The request's fields this server ignores, for the response header (and, the first
+        time each is seen, the log)."""
+        ignored = ignored_fields(req)
+        fresh = [name for name in ignored if name not in self._ignored_logged]
+        if fresh:
+            self._ignored_logged.update(fresh)
+            log.warning("ignoring request fields this server does not know: %s (each logged once; the responses "
+                        "name them in %s)", ", ".join(fresh), IGNORED_HEADER)
+        return {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
 
     @staticmethod
     def _check_reply(msg: Any) -> None:
@@ -362,24 +379,30 @@ class HttpFrontend:
     def _header(self, run: _Samples) -> dict[str, Any]:
         return {"id": run.request_id, "created": int(time.time()), "model": self.model_name}
 
-    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids) -> JSONResponse:
+    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids,
+               headers: dict[str, str]) -> JSONResponse:
         usage = usage_dict(sum(len(p) for p in prompt_ids), sum(c.usage.completion_tokens for c in results))
         body = self._header(run) | {"object": shapes.object,
                                              "choices": [shapes.choice(i, c) for i, c in enumerate(results)],
                                              "usage": usage}
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
-    async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], include_usage: bool, prompt_ids):
-        """Server-sent events: one chunk per delta, the usage chunk if asked, then [DONE]."""
+    async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], usage: str | None, prompt_ids):
+        """Server-sent events: one chunk per delta, then the usage chunk if asked (`usage`
+        "final"; "continuous": every chunk also carries the usage so far, vLLM's
+        continuous_usage_stats), then [DONE]."""
         header = self._header(run) | {"object": shapes.chunk_object}
-        extra = {"usage": None} if include_usage else {}
-        completion_tokens = 0
+        prompt_tokens = sum(len(p) for p in prompt_ids)
+        completion_tokens = streamed = 0
 
         def event(index: int, delta: Delta) -> bytes:
-            nonlocal completion_tokens
+            nonlocal completion_tokens, streamed
             if delta.usage is not None:
                 completion_tokens += delta.usage.completion_tokens
-            chunk = header | {"choices": [shapes.chunk_choice(index, delta)]} | extra
+            streamed += len(delta.token_ids)
+            chunk = header | {"choices": [shapes.chunk_choice(index, delta)]}
+            if usage is not None:
+                chunk["usage"] = usage_dict(prompt_tokens, streamed) if usage == "continuous" else None
             return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
         try:
@@ -399,9 +422,9 @@ class HttpFrontend:
                         yield b"data: " + msgspec.json.encode(err.body()) + b"\n\n"
                         return
                     run.done(index, msg)
-            if include_usage:
-                usage = usage_dict(sum(len(p) for p in prompt_ids), completion_tokens)
-                yield b"data: " + msgspec.json.encode(header | {"choices": [], "usage": usage}) + b"\n\n"
+            if usage is not None:
+                final = usage_dict(prompt_tokens, completion_tokens)
+                yield b"data: " + msgspec.json.encode(header | {"choices": [], "usage": final}) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnects: Starlette cancels this generator
             run.close()
@@ -424,8 +447,8 @@ class _EventStream(StreamingResponse):
     """Server-sent events that release their engine requests however the response ends (also
     when the client leaves before the first chunk, so the generator never starts)."""
 
-    def __init__(self, events, on_close):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, events, on_close, headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"} | headers)
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):

@@ -10,6 +10,7 @@ stop_token_ids, skip_special_tokens.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Any, Literal
 
@@ -73,13 +74,53 @@ def field(meta: msgspec.Meta):
 
 
 class _Strict(BaseModel):
-    """Unknown fields are refused, and so are coercions: "no" is not a bool, true not a token id."""
+    """No coercions: "no" is not a bool, true not a token id. Fields meshserve does not know
+    are kept aside (pydantic's model_extra) and ignored, as vLLM ignores them: clients send
+    other servers' extensions (guidellm always sends stream_options.continuous_usage_stats),
+    and refusing what changes nothing breaks them. `ignored_fields` names them for the
+    log and the response; the known ones that would change the output are refused
+    (UNSUPPORTED)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+UNSUPPORTED: dict[str, Any] = {
+    "repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "length_penalty": 1.0, "use_beam_search": False,
+    "prompt_logprobs": None, "logits_processors": None, "truncate_prompt_tokens": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structured_outputs": None, "add_generation_prompt": True, "continue_final_message": False,
+    "chat_template": None, "chat_template_kwargs": None, "mirostat": 0, "n_probs": 0,
+    "include_stop_str_in_output": False, "functions": None, "function_call": None,
+}
+"""Other servers' parameters that change what is generated (vLLM's and llama.cpp's names),
+each with the value that changes nothing: any other value is refused, not ignored."""
+
+
+TYPO_CUTOFF = 0.85
+"""An unknown field this close to a known one (difflib's ratio) is taken for a misspelling
+and refused (`max_token`, `temprature`); other unknown fields are ignored."""
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted names of the fields of a request (nested ones too) that its model does not
+    know; items of a list share one name (`messages[].refusal`)."""
+    out = [prefix + name for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        seen: set[str] = set()
+        for item in items:
+            if isinstance(item, BaseModel):
+                nested = f"{prefix}{name}[]." if isinstance(value, list) else f"{prefix}{name}."
+                seen.update(ignored_fields(item, nested))
+        out += sorted(seen)
+    return out
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: every chunk carries the usage so far."""
 
 
 class _SamplingRequest(_Strict):
@@ -107,6 +148,15 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
 
     def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            typo = difflib.get_close_matches(name, type(self).model_fields, n=1, cutoff=TYPO_CUTOFF)
+            if typo and name not in UNSUPPORTED:
+                raise OpenAIError(400, f"{name}: unknown parameter (did you mean {typo[0]}?)", param=name,
+                                  code="invalid_value")
+            if name in UNSUPPORTED and value != UNSUPPORTED[name]:
+                only = "" if UNSUPPORTED[name] is None else f" (only {UNSUPPORTED[name]!r})"
+                raise OpenAIError(400, f"{name}={repr(value)[:80]} is not supported by this server{only}", param=name,
+                                  code="unsupported_parameter")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):

@@ -158,6 +158,37 @@ def test_completion_stream_equals_whole(oai):
     assert plain and all(c.usage is None and c.choices for c in plain)
 
 
+def test_unknown_fields_are_ignored_and_named_in_a_header(url, oai):
+    """Other servers' extensions that change nothing (and vLLM's no-op values of the ones that
+    would) are ignored, as vLLM ignores them; the response names what was ignored."""
+    want = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "cache_prompt": True,
+            "service_tier": "auto", "repetition_penalty": 1.0, "metadata": {"run": "x"}}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == want
+    assert resp.headers["x-meshserve-ignored-fields"] == "cache_prompt, service_tier, repetition_penalty, metadata"
+    chat = {"model": MODEL, "max_tokens": 2, "temperature": 0, "parallel_tool_calls": False,
+            "messages": [{"role": "user", "content": "hi", "refusal": None}], "stream": True,
+            "stream_options": {"include_usage": True, "future_option": 1}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat, timeout=60) as r:
+        assert r.status_code == 200 and b"[DONE]" in r.read()
+        assert r.headers["x-meshserve-ignored-fields"] == ("parallel_tool_calls, stream_options.future_option, "
+                                                         "messages[].refusal")
+    plain = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=60)
+    assert "x-meshserve-ignored-fields" not in plain.headers
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(oai):
+    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                         extra_body={"ignore_eos": True}))
+    *tokens, last = chunks
+    assert [c.usage.completion_tokens for c in tokens] == [1, 2, 3, 4, 5, 6]
+    assert all(c.usage.prompt_tokens == last.usage.prompt_tokens > 0 for c in tokens)
+    assert last.choices == [] and last.usage.completion_tokens == 6
+
+
 def test_chat_whole_and_streamed(oai, zmq_client, tok):
     ids = chat_ids(tok, CHAT_QUESTION)
     want = zmq_client.generate(ids, max_tokens=24, temperature=0)
@@ -256,6 +287,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "max_token": 3}, 400, "max_token", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty",
+     "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 0.1}, 400, "min_p",
+     "unsupported_parameter"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
