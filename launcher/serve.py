@@ -19,6 +19,9 @@ from meshserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("meshserve")
 
+SAME_SIGNAL_S = 1.0
+"""A signal this soon after the first is the same stop request arriving by another path
+(Ctrl-C reaches every process of the terminal's group, and the launcher forwards it)."""
 FAILURE_LINGER_S = 1.0
 """After the engine fails: how long /health answers 503 before the process exits."""
 EXIT_ENGINE_FAILED = 1
@@ -73,12 +76,23 @@ class ServeMode:
                         self.config.scheduler.max_waiting_tokens)
         engine.executor.failure.on_failure(lambda reason: self._fail(server, frontends, reason))
 
+        first_signal: list[float] = []
+
         def on_signal(signum, frame):
-            if server.stop_requested.is_set():
-                log.warning("second %s: exiting now", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if not first_signal:
+                first_signal.append(time.monotonic())
+                log.info("%s: draining (up to %.0f s; a second signal ends the requests now)", name,
+                         self.drain_timeout)
+                server.request_stop()
+            elif time.monotonic() - first_signal[0] < SAME_SIGNAL_S:
+                pass  # one Ctrl-C reaching us twice: from the terminal and forwarded by the launcher
+            elif not server.stop_now.is_set():
+                log.warning("second %s: ending the requests in flight now", name)
+                server.request_stop(now=True)
+            else:
+                log.warning("third %s: exiting at once", name)
                 sys.exit(1)
-            log.info("%s: draining", signal.Signals(signum).name)
-            server.stop_requested.set()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -89,7 +103,7 @@ class ServeMode:
             for frontend in frontends:
                 frontend.close()
         log.info("stopped after %d steps, %d requests", engine.stats.steps, engine.stats.finished)
-        return 0
+        return 1 if server.stop_now.is_set() else 0
 
     @staticmethod
     def _fail(server: Server, frontends: list[Frontend], reason: str) -> None:

@@ -33,6 +33,31 @@ log = logging.getLogger("meshserve")
 MULTINODE_RUN_ID = "meshserve"
 
 
+class _ShutdownWords(logging.Filter):
+    """torch elastic's agent announces a normal stop as warnings about "death signals"
+    (`Received 15 death signal, shutting down workers`, then one `Sending process N closing
+    signal SIGTERM` per rank): said once instead, as what it is."""
+
+    def __init__(self, shutdown_timeout: float):
+        super().__init__()
+        self.shutdown_timeout = shutdown_timeout
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str):
+            return True
+        if record.msg.startswith("Sending process %s closing signal"):
+            return False
+        if record.msg.startswith("Received %s death signal"):
+            signame = getattr(record.args[0], "name", record.args[0]) if record.args else "a signal"
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = ("%s: the driver drains its requests, then the ranks stop (the launcher "
+                                       "waits up to %.0f s for them)", (signame, self.shutdown_timeout))
+        return True
+
+
+ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +111,9 @@ def spawn_local_ranks(config: Config, python_args: list[str], shutdown_timeout: 
             log.warning("%s", capped)
     if config.cluster.interface:
         use_network_interface(config.cluster.interface)
+    words = _ShutdownWords(shutdown_timeout)
+    for name in ELASTIC_LOGGERS:
+        logging.getLogger(name).addFilter(words)
     try:
         elastic_launch(launch, sys.executable)(*python_args)
     except ChildFailedError as e:

@@ -26,6 +26,18 @@ class Server:
         self.max_waiting_tokens = max_waiting_tokens
         self.frontends = {f.tag: f for f in frontends}
         self.stop_requested = threading.Event()
+        self.stop_now = threading.Event()
+        """Set with stop_requested: do not wait for running requests, end them now."""
+
+    def request_stop(self, now: bool = False) -> None:
+        """From any thread (a signal handler): refuse new requests at once (so /health turns
+        503 before anything else does), then drain (`now`: abort) what is running. Every
+        request in flight still gets its last message: a final delta, or an error."""
+        for frontend in self.frontends.values():
+            frontend.accepting = False
+        if now:
+            self.stop_now.set()
+        self.stop_requested.set()
 
     def send(self, key, message) -> None:
         self.frontends[key.frontend].send(key, message)
@@ -56,7 +68,8 @@ class Server:
                     frontend.accepting = False
                 deadline = time.monotonic() + drain_timeout
                 log.info("draining %d requests", self.engine.num_requests)
-            if deadline is not None and (not self.engine.has_work() or time.monotonic() > deadline):
+            if deadline is not None and (not self.engine.has_work() or time.monotonic() > deadline
+                                         or self.stop_now.is_set()):
                 break
             for cmd in self._commands(block=not self.engine.has_work()):
                 self._handle(cmd)
