@@ -147,8 +147,14 @@ def test_the_tokenize_pool_runs_the_shortest_waiting_job_first():
     from meshserve.engine.serving.tokenize_pool import TokenizePool
 
     pool = TokenizePool(1)
-    gate, order = threading.Event(), []
-    first = pool.submit(10 ** 6, gate.wait)  # holds the only thread while the others queue
+    started, gate, order = threading.Event(), threading.Event(), []
+
+    def hold():
+        started.set()
+        gate.wait()
+
+    first = pool.submit(10 ** 6, hold)  # holds the only thread while the others queue
+    assert started.wait(30)  # else the thread, still free, could take a later job first
     jobs = [pool.submit(size, order.append, size) for size in (500, 3, 40, 3)]
     gate.set()
     for job in [first, *jobs]:
