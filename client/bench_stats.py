@@ -4,6 +4,7 @@ table, and PNG plots (latency CDFs; throughput and goodput against offered load)
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,13 +111,15 @@ def offered_load(res: dict) -> tuple[str, float]:
 
 def plot(runs: list[dict], stem: str) -> list[str]:
     """Latency CDFs of every run, and (for sweeps) throughput and goodput against offered
-    load. Returns the PNG paths; none if matplotlib is missing."""
+    load. Returns the PNG paths; none, with a warning on stderr, if matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("meshserve bench: no plots: matplotlib is not installed (pip install matplotlib; --no-plots "
+              "says no plots are wanted)", file=sys.stderr)
         return []
     paths = []
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
