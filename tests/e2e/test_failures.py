@@ -112,6 +112,9 @@ def test_rank_killed_during_decode_fails_requests_and_exits(tmp_path, tiny_check
         health, stop = [], threading.Event()
         watcher = threading.Thread(target=_watch_health, args=(url, health, stop), daemon=True)
         watcher.start()
+        deadline = time.monotonic() + 30
+        while not health and time.monotonic() < deadline:  # its first answer comes before the kill
+            time.sleep(0.01)
         killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         for t in threads:
