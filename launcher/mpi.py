@@ -9,11 +9,10 @@ mpi4py is optional (`pip install 'meshserve[mpi]'`) and imported only here, only
 
 from __future__ import annotations
 
-import socket
 
 from meshserve.configs.schema import ClusterConfig
 from meshserve.launcher.env import MpiWorld, RankEnv
-from meshserve.launcher.network import NetworkError, host_address, interface_address
+from meshserve.launcher.network import NetworkError, free_port, host_address, interface_address
 from meshserve.launcher.errors import StartupError
 
 BOOTSTRAP_BYTES = 256
@@ -25,12 +24,6 @@ def _master_host(cluster: ClusterConfig, whole_world_here: bool) -> str:
     if cluster.interface:
         return interface_address(cluster.interface)
     return "127.0.0.1" if whole_world_here else host_address()
-
-
-def _pick_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def bootstrap(world: MpiWorld, cluster: ClusterConfig) -> RankEnv:
@@ -55,7 +48,7 @@ def bootstrap(world: MpiWorld, cluster: ClusterConfig) -> RankEnv:
     if world.rank == 0:
         try:
             host = _master_host(cluster, local_size == world.size)
-            text = f"{host} {_pick_port(host)}"
+            text = f"{host} {free_port(host)}"
         except (NetworkError, OSError) as e:
             text = f"! MPI rank 0 cannot listen for the other ranks: {e}"
         data = text.encode()[:BOOTSTRAP_BYTES]

@@ -4,6 +4,7 @@ driver binds its control-plane sockets and where node 0 is reached."""
 from __future__ import annotations
 
 import fcntl
+import random
 import socket
 import struct
 
@@ -37,3 +38,40 @@ def host_address() -> str:
         return socket.gethostbyname(socket.getfqdn())
     except OSError:
         return socket.gethostbyname(socket.gethostname())
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (outgoing connections, bind to port 0)."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on `host` now and that the kernel will not hand out by itself.
+
+    A port taken with bind(0) lies in the kernel's ephemeral range: between the pick and the
+    server's bind, any outgoing connection or listener on port 0 (gloo opens dozens) may take
+    it. Ports below that range are given only to whoever names them. Never the same port twice
+    in one process."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 20000), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:200]:
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

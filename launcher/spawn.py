@@ -13,7 +13,6 @@ node K runs ranks K x ranks_per_node onwards, so rank 0, the driver, is on node 
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import uuid
 
@@ -25,7 +24,7 @@ from meshserve.configs.errors import ConfigError
 from meshserve.configs.schema import Config
 from meshserve.launcher.env import cap_cpu_threads_for_ranks, use_network_interface
 from meshserve.launcher.failure_report import reported_reason
-from meshserve.launcher.network import interface_address
+from meshserve.launcher.network import free_port, interface_address
 
 log = logging.getLogger("meshserve")
 
@@ -58,12 +57,6 @@ class _ShutdownWords(logging.Filter):
 ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_config(config: Config, node_rank: int | None, shutdown_timeout: float) -> LaunchConfig:
     cluster = config.cluster
     common = dict(nproc_per_node=config.ranks_per_node, max_restarts=0, monitor_interval=0.5,
@@ -72,7 +65,7 @@ def _launch_config(config: Config, node_rank: int | None, shutdown_timeout: floa
         if node_rank not in (None, 0):
             raise ConfigError(f"--node-rank {node_rank}: the config has cluster.nodes=1 (node rank 0 only)")
         return LaunchConfig(min_nodes=1, max_nodes=1, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
-                            rdzv_endpoint=f"127.0.0.1:{_free_port()}", **common)
+                            rdzv_endpoint=f"127.0.0.1:{free_port()}", **common)
     if node_rank is None or not 0 <= node_rank < cluster.nodes:
         given = "none given" if node_rank is None else f"got {node_rank}"
         raise ConfigError(f"cluster.nodes={cluster.nodes}: start `meshserve serve CONFIG --node-rank K` on each node, "

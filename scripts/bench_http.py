@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,16 +28,11 @@ from pathlib import Path
 import httpx
 
 from meshserve.configs.model_info import resolve_model_path
+from meshserve.launcher.network import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SLO = {"ttft": 2000.0, "tpot": 100.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:

@@ -15,7 +15,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from meshserve.client import AsyncClient, Client, MeshserveError
 from meshserve.comm.messages import (AbortRequest, Delta, ErrorReply, GenerateRequest, SamplingParams, encoder,
                                      server_decoder)
 from support.checkpoints import smollm2_tokenizer
+from support.server import free_port
 
 MAX_MODEL_LEN = 1024
 VOCAB_SIZE = 49152
@@ -60,12 +60,6 @@ CONCURRENT_PROMPTS = [
 
 
 # ------------------------------------------------------------------ processes
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _meshserve_command() -> list[str]:
@@ -107,7 +101,7 @@ def launched(tmp_path_factory):
     """Starts the server and a `meshserve generate --json` run at once, so that both load the
     model while this process loads the transformers reference (3 loads, 2 cores)."""
     logs = tmp_path_factory.mktemp("serve_zmq")
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     err = logs / "server.stderr"
     with open(err, "wb") as f:
         proc = subprocess.Popen(

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 
+from meshserve.launcher.network import free_port
 from meshserve.parallel.process_groups import destroy_process_groups, init_process_groups
 from meshserve.parallel.topology import Topology
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, topology, port, args, queue, collected, shm_slot_bytes):

@@ -5,18 +5,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from meshserve.launcher.network import free_port  # noqa: F401 (the tests import it from here)
 
 
 def http_url(ready_line: str, zmq_address: str | None = None) -> str:

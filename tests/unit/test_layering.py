@@ -291,3 +291,18 @@ def test_one_builder_assembles_every_engine():
     found = _constructions(trees, {"ModelRunner", "Engine"})
     assert found and all(f.startswith("engine/build.py:") for f in found), "\n".join(found)
     assert _constructions([("x.py", ast.parse("Engine(a)\nm.ModelRunner(b)\n"))], {"ModelRunner", "Engine"})
+
+
+def test_every_package_folder_is_installed():
+    """A folder with an __init__.py that pyproject does not list is missing from a wheel
+    (an editable install finds it all the same, so only this test notices)."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder: name for name, folder in setuptools["package-dir"].items()}
+    found = set()
+    for package in PACKAGES:
+        for init in (ROOT / package).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT).parts
+            found.add(".".join([folders[rel[0]], *rel[1:]]))
+    assert found - set(setuptools["packages"]) == set()
