@@ -13,9 +13,10 @@ import msgspec
 
 from meshserve.comm.messages import GenerateRequest, SamplingParams
 
-PARAMS = tuple(SamplingParams.__struct_fields__)
+PARAMS = (*SamplingParams.__struct_fields__, "cache_salt")
 """The keywords `generate` takes beyond the prompt: max_tokens, temperature, top_p, top_k,
-seed, stop, stop_token_ids, min_tokens, ignore_eos, logprobs, skip_special_tokens."""
+seed, stop, stop_token_ids, min_tokens, ignore_eos, logprobs, skip_special_tokens, and
+cache_salt (the request shares cached KV blocks only with requests of the same salt)."""
 
 _PATH = re.compile(r" - at `\$\.(\w+)[^`]*`$")
 
@@ -29,6 +30,9 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
         hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(PARAMS)}"
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}{hint}")
     params = {k: v for k, v in params.items() if v is not None}  # None: the default, as in the HTTP API
+    salt = params.pop("cache_salt", None)
+    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= 256):
+        raise ValueError(f"{caller}(): cache_salt: a string of 1 to 256 characters, got {salt!r:.80}")
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     try:
@@ -38,8 +42,8 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
         raise ValueError(f"{caller}(): {m.group(1) + ': ' if m else ''}{_PATH.sub('', str(e))}") from None
     rid = request_id or uuid.uuid4().hex
     if isinstance(prompt, str):
-        return GenerateRequest(rid, prompt=prompt, params=sampling, stream=stream)
+        return GenerateRequest(rid, prompt=prompt, params=sampling, stream=stream, cache_salt=salt)
     if not isinstance(prompt, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise TypeError(f"{caller}(): the prompt is a string or a sequence of token ids (ints), "
                         f"got {type(prompt).__name__}")
-    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=sampling, stream=stream)
+    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=sampling, stream=stream, cache_salt=salt)

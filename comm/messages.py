@@ -71,6 +71,9 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     prompt_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
     params: SamplingParams = SamplingParams()
     stream: bool = True
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    """Share cached KV blocks only with requests of the same salt (vLLM's extension), so one
+    tenant cannot learn another's prompts from how fast its own are answered."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -92,6 +95,8 @@ class TokenLogprob(Struct, array_like=True, frozen=True):
 class Usage(Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens)."""
 
 
 class Delta(Struct, tag="delta", frozen=True):

@@ -87,6 +87,11 @@ class CacheConfig(Section):
     scale per token and KV head (meshserve.layers.kv_quant): about half the bytes of bf16,
     so twice the tokens in `memory` and half the cache reads of a decode step. CPU only
     (device.kernels torch or cpu), without context parallelism."""
+    prefix_caching: bool = True
+    """Keep the KV blocks of finished requests and reuse them for any later request that
+    starts with the same tokens (multi-turn chat, shared system prompts); evicted least
+    recently used when memory is needed. Not with context parallelism (parallel.context > 1),
+    where it has no effect yet."""
 
     @field_validator("block_size")
     @classmethod

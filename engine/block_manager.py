@@ -1,32 +1,76 @@
-"""Paged KV-cache blocks: a free list and each sequence's block table. Plain Python."""
+"""Paged KV-cache blocks: reference counts, each sequence's block table, and the prefix
+cache. Plain Python.
+
+Every block is in exactly one of three states:
+- in use: in at least one block table (its reference count);
+- free: in no block table and holding nothing worth keeping;
+- evictable: in no block table, but full and hashed (meshserve.engine.prefix_hash), so a
+  later request with the same prefix takes it instead of computing it again.
+
+A sequence's full blocks are hashed and registered once their tokens are computed (prompt
+and output alike, so a preempted sequence finds its own blocks again). Released blocks
+go to the back of the evictable queue, the last block of a sequence first, and are
+evicted from the front (least recently used) only when no free block is left. A partial
+block is never shared: a request that finds all its tokens cached still computes its last
+token (for the logits), in a block of its own.
+
+Context parallelism keeps each rank's share of a sequence under one block table, and
+which rank holds which token depends on how the sequence was chunked, so a block's
+contents are not a function of its tokens alone: with cp_size > 1 nothing is cached.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
+from meshserve.engine.prefix_hash import extend_hashes, root_hash
 from meshserve.engine.sequence import Sequence
 from meshserve.parallel.context import advance, chunk_owners
 
 
 class BlockManager:
-    """Owns the block ids [0, num_blocks). A block is either free or in exactly one
-    sequence's block table (prefix sharing would add reference counts).
+    """Owns the block ids [0, num_blocks).
 
     With context parallelism (cp_size > 1) each rank stores only its share of a
     sequence's tokens, under the same block table: a sequence needs blocks for the
     largest share (meshserve.parallel.context says which rank holds which token)."""
 
-    def __init__(self, num_blocks: int, block_size: int, cp_size: int = 1):
+    def __init__(self, num_blocks: int, block_size: int, cp_size: int = 1, prefix_caching: bool = False,
+                 cache_kind: str = "auto"):
+        """`cache_kind`: what shapes the KV beyond the tokens (e.g. "int8"), part of every hash."""
         self.num_blocks, self.block_size, self.cp_size = num_blocks, block_size, cp_size
+        self.prefix_caching = prefix_caching and cp_size == 1
+        self.cache_kind = cache_kind
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.query_tokens = 0
+        """Prompt tokens looked up in the prefix cache at admission (vLLM's prefix_cache_queries)."""
+        self.hit_tokens = 0
+        """Of those, the tokens found cached (prefix_cache_hits)."""
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take now: free or evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache (in use or evictable)."""
+        return len(self._hash_of)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -37,28 +81,113 @@ class BlockManager:
             return seq.num_computed + num_new
         return max(advance(seq.cp_local_lens, chunk_owners(seq.cp_local_lens, num_new)))
 
+    # ------------------------------------------------------------------ the prefix cache
+
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        if seq.hash_root is None:
+            seq.hash_root = root_hash(self.cache_kind, seq.cache_salt)
+        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.hash_root)
+
+    def match(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` (waiting, holding none) can start from: the longest chain of
+        its full blocks found in the cache, short of its last token."""
+        if not self.prefix_caching:
+            return []
+        found = []
+        for h in self._hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def can_admit(self, seq: Sequence, cached: list[int], num_new: int) -> bool:
+        """Whether `seq` fits when it starts from `cached` (match) and computes `num_new`."""
+        need = self.blocks_for(len(cached) * self.block_size + num_new) - len(cached)
+        revived = sum(1 for b in cached if self._refs[b] == 0)  # taken out of the evictable queue
+        return need <= self.num_free - revived
+
+    def admit(self, seq: Sequence, cached: list[int], num_new: int) -> None:
+        """Give `seq` the blocks `cached` (its computed prefix) and room for `num_new` more."""
+        assert not seq.block_ids and seq.num_computed == 0, f"seq {seq.seq_id} already holds blocks"
+        for b in cached:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+        seq.block_ids = list(cached)
+        seq.num_computed = seq.num_registered = len(cached) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = min(seq.num_computed, seq.prompt_len)
+        if self.prefix_caching:
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_computed
+        self.grow(seq, num_new)
+
+    def _register(self, seq: Sequence) -> None:
+        """Put `seq`'s newly computed full blocks in the cache (a block whose hash is already
+        there, with the same contents, stays outside it and is freed when released)."""
+        full = seq.num_computed // self.block_size
+        if full * self.block_size <= seq.num_registered:
+            return
+        hashes = self._hashes(seq)
+        for i in range(seq.num_registered // self.block_size, full):
+            block = seq.block_ids[i]
+            if hashes[i] not in self._block_of and block not in self._hash_of:
+                self._block_of[hashes[i]] = block
+                self._hash_of[block] = hashes[i]
+        seq.num_registered = full * self.block_size
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; returns how many. Safe while requests run: the blocks
+        in use stay where they are, they are only no longer found (nor kept once released)."""
+        dropped = len(self._hash_of)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+        return dropped
+
+    # ------------------------------------------------------------------ allocation
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
     def computed(self, seq: Sequence, num_new: int) -> None:
         """Record that `num_new` more tokens of `seq` are in the cache."""
         if self.cp_size > 1:
             seq.cp_local_lens = advance(seq.cp_local_lens, chunk_owners(seq.cp_local_lens, num_new))
         seq.num_computed += num_new
+        if self.prefix_caching:
+            self._register(seq)
 
     def extra_blocks(self, seq: Sequence, num_new: int) -> int:
         """Blocks `seq` still needs to hold its computed tokens plus `num_new` more."""
         return max(0, self.blocks_for(self.held_after(seq, num_new)) - len(seq.block_ids))
 
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
-        return self.extra_blocks(seq, num_new) <= len(self._free)
+        return self.extra_blocks(seq, num_new) <= self.num_free
 
     def grow(self, seq: Sequence, num_new: int) -> None:
         n = self.extra_blocks(seq, num_new)
-        if n > len(self._free):
-            raise RuntimeError(f"seq {seq.seq_id} needs {n} blocks, {len(self._free)} free")
-        seq.block_ids.extend(self._free.popleft() for _ in range(n))
+        if n > self.num_free:
+            raise RuntimeError(f"seq {seq.seq_id} needs {n} blocks, {self.num_free} free")
+        seq.block_ids.extend(self._take() for _ in range(n))
 
     def release(self, seq: Sequence) -> None:
-        """Free the blocks of `seq`; its cache is empty again."""
-        self._free.extend(seq.block_ids)
+        """Drop `seq`'s references (last block first); its cache is empty again."""
+        for b in reversed(seq.block_ids):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
         seq.block_ids = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         seq.cp_local_lens = [0] * self.cp_size

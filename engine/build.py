@@ -35,7 +35,8 @@ def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: 
                  tokenizer: Tokenizer) -> Engine:
     """The driver's engine over `executor` (the ranks, or this process alone)."""
     return Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
-                  micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context)
+                  micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context,
+                  prefix_caching=config.cache.prefix_caching)
 
 
 def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan, *, threads: int | None = None,

@@ -65,17 +65,21 @@ class InFlight:
 
 class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
-                 vocab_size: int, micro_batches: int = 1, cp_size: int = 1):
+                 vocab_size: int, micro_batches: int = 1, cp_size: int = 1, prefix_caching: bool = False):
         """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
         takes its share of the sequences, and no sequence is in two at once
         (meshserve.parallel.pipeline). `cp_size`: ranks a sequence's tokens are split
-        over (context parallelism)."""
+        over (context parallelism). `prefix_caching`: requests reuse the KV blocks of
+        prefixes already computed (meshserve.engine.block_manager)."""
         self.executor = executor
         self._in_flight: MicroBatches[InFlight] = MicroBatches(micro_batches)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.memory = memory
-        self.scheduler = Scheduler(BlockManager(memory.num_blocks, memory.block_size, cp_size),
+        # the KV of a block depends on its tokens, the model and what the cache holds
+        cache_kind = f"{memory.dtype}/{memory.kv_dtype}/{memory.quantization}"
+        blocks = BlockManager(memory.num_blocks, memory.block_size, cp_size, prefix_caching, cache_kind)
+        self.scheduler = Scheduler(blocks,
                                    scheduler.max_num_seqs, scheduler.max_batched_tokens)
         self.plans = PlanBuilder()
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, memory.max_model_len)
@@ -94,8 +98,9 @@ class Engine:
         return self.scheduler.has_work() or bool(self._in_flight)
 
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stream: bool = True) -> None:
-        """Queue a validated request. `key` is unique among live requests."""
+                    stream: bool = True, cache_salt: str | None = None) -> None:
+        """Queue a validated request. `key` is unique among live requests. `cache_salt`: the
+        request shares cached KV blocks only with requests of the same salt."""
         if key in self.requests:
             raise RequestError("duplicate_id", f"request_id {request_id!r} is already running")
         try:  # what a plan will carry of it: a request the ranks cannot be sent fails here, alone
@@ -103,7 +108,7 @@ class Engine:
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
             raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
         seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params,
-                       cp_local_lens=[0] * self.scheduler.blocks.cp_size)
+                       cp_local_lens=[0] * self.scheduler.blocks.cp_size, cache_salt=cache_salt)
         self._next_seq_id += 1
         state = RequestState(seq, request_id, stream, self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens))
         self.requests[key] = state
@@ -175,6 +180,10 @@ class Engine:
         self.stats.finished += 1
         if self.observer is not None:
             self.observer.on_finished(state)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (running requests keep theirs); returns how many."""
+        return self.scheduler.blocks.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -86,6 +86,7 @@ class OutputProcessor:
         text = state.text[state.sent_chars:end]
         logprobs = state.logprobs[state.sent_logprobs:] if state.logprobs else None
         state.sent_chars, state.sent_tokens, state.sent_logprobs = end, state.seq.num_output_tokens, len(state.logprobs)
-        usage = Usage(state.seq.prompt_len, state.seq.num_output_tokens) if done else None
+        seq = state.seq
+        usage = Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens) if done else None
         return Delta(state.request_id, text, tokens, state.finish_reason if done else None, logprobs, usage,
                      state.stop_reason if done else None)

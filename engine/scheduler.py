@@ -5,7 +5,8 @@ tokens to compute (its whole uncomputed tail, or a chunk of it when the token bu
 runs short), so chunked prefill and mixed prefill + decode steps need no special path.
 
 Order is first-come first-served: running sequences first, in admission order, then
-waiting ones. When blocks run out, the most recently admitted running sequence is
+waiting ones. A waiting sequence starts from the longest prefix of its blocks found in the
+prefix cache (meshserve.engine.block_manager), which costs no token budget. When blocks run out, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it returns to the front of the
 waiting queue with its tokens kept, to be prefilled again later.
 """
@@ -80,11 +81,12 @@ class Scheduler:
         while (not batch.preempted and self.waiting and budget > 0 and len(batch) < cap
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_grow(seq, n):
+            cached = self.blocks.match(seq)
+            n = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
+            if not self.blocks.can_admit(seq, cached, n):
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq, n)
+            self.blocks.admit(seq, cached, n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -35,6 +35,16 @@ class Sequence:
     sent_tokens: int = 0
     sent_blocks: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # Prefix caching (meshserve.engine.block_manager)
+    cache_salt: str | None = None
+    """Requests share cached blocks only with requests of the same salt (None: unsalted)."""
+    hash_root: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    """The hash of each full block of token_ids known so far (computed as needed)."""
+    num_registered: int = 0
+    """Tokens of the leading blocks already offered to the prefix cache."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was first admitted."""
 
     @property
     def num_tokens(self) -> int:

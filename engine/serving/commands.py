@@ -7,6 +7,7 @@ key back through that frontend. The engine core sees keys as opaque hashables.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -32,6 +33,7 @@ class AddCommand:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,14 @@ class AbortCommand:
     key: RequestKey
 
 
-Command = AddCommand | AbortCommand
+@dataclass(frozen=True)
+class ResetPrefixCacheCommand:
+    """Forget the prefix cache; `done` gets the number of blocks forgotten."""
+
+    done: concurrent.futures.Future
+
+
+Command = AddCommand | AbortCommand | ResetPrefixCacheCommand
 
 
 class Inbox(queue.Queue):

@@ -22,6 +22,7 @@ expected (its traceback goes to the log, never its text to the client). With an 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import socket
@@ -38,12 +39,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams
+from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams, Usage
 from meshserve.configs.schema import HttpLimits
-from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
+from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey, ResetPrefixCacheCommand
 from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, CompletionRequest,
                                                       CompletionShapes, LogprobFormatter, OpenAIError, StreamOptions,
-                                                      engine_error, from_request_error, ignored_fields, usage_dict)
+                                                      cached_tokens, engine_error, from_request_error, ignored_fields,
+                                                      usage_dict)
 from meshserve.engine.serving.http_protocol import limited_protocol
 from meshserve.engine.serving.request_body import MAX_BODY_BYTES, parse_body
 from meshserve.engine.serving.tokenize_pool import TokenizePool
@@ -52,7 +54,8 @@ from meshserve.engine.admission import RequestError, admit_prompt, check_chars, 
 
 log = logging.getLogger(__name__)
 
-COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                 "/reset_prefix_cache")
 IGNORED_HEADER = "x-meshserve-ignored-fields"
 """Response header naming the request's fields this server ignored (comma-separated)."""
 TOKENIZER_THREADS = 1
@@ -60,6 +63,8 @@ TOKENIZER_THREADS = 1
 threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions (chat defaults to the rest of the context)."""
+RESET_TIMEOUT = 30.0
+"""Seconds POST /reset_prefix_cache waits for the step loop."""
 
 
 class _Disconnected:
@@ -109,12 +114,12 @@ class _Samples:
         self.finished: set[int] = set()
         self._closed = False
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> None:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, cache_salt: str | None) -> None:
         index = len(self.keys)
         key = RequestKey(HttpFrontend.tag, self.request_id, f"{self.request_id}-{index}")
         self.keys.append(key)
         self.frontend._routes[key] = (self.queue, index)
-        self.frontend.inbox.put(AddCommand(key, key.request_id, prompt_ids, params, stream))
+        self.frontend.inbox.put(AddCommand(key, key.request_id, prompt_ids, params, stream, cache_salt))
 
     def done(self, index: int, msg: Any) -> bool:
         """Whether `msg` ends sample `index`."""
@@ -318,7 +323,7 @@ class HttpFrontend:
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(raw, run.queue))
         try:
             for ids, params in samples:
-                run.submit(ids, params, req.stream)
+                run.submit(ids, params, req.stream, req.cache_salt)
             if req.stream:
                 first = await self._first_replies(run)
             else:
@@ -331,10 +336,10 @@ class HttpFrontend:
         headers = self._ignored_header(req)
         if not req.stream:
             run.close()
-            return self._whole(run, shapes, results, prompt_ids, headers)
+            return self._whole(run, shapes, results, prompt_ids, req.n, headers)
         options = req.stream_options or StreamOptions()
         usage = "continuous" if options.continuous_usage_stats else "final" if options.include_usage else None
-        return _EventStream(self._stream(run, shapes, first, usage, prompt_ids), run.close, headers)
+        return _EventStream(self._stream(run, shapes, first, usage, prompt_ids, req.n), run.close, headers)
 
     def _ignored_header(self, req) -> dict[str, str]:
         """The request's fields this server ignores, for the response header (and, the first
@@ -379,26 +384,30 @@ class HttpFrontend:
     def _header(self, run: _Samples) -> dict[str, Any]:
         return {"id": run.request_id, "created": int(time.time()), "model": self.model_name}
 
-    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids,
+    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids, n: int,
                headers: dict[str, str]) -> JSONResponse:
-        usage = usage_dict(sum(len(p) for p in prompt_ids), sum(c.usage.completion_tokens for c in results))
+        usage = usage_dict(sum(len(p) for p in prompt_ids), sum(c.usage.completion_tokens for c in results),
+                           cached_tokens({i: c.usage for i, c in enumerate(results)}, n))
         body = self._header(run) | {"object": shapes.object,
                                              "choices": [shapes.choice(i, c) for i, c in enumerate(results)],
                                              "usage": usage}
         return JSONResponse(body, headers=headers)
 
-    async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], usage: str | None, prompt_ids):
+    async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], usage: str | None, prompt_ids,
+                      n: int):
         """Server-sent events: one chunk per delta, then the usage chunk if asked (`usage`
         "final"; "continuous": every chunk also carries the usage so far, vLLM's
         continuous_usage_stats), then [DONE]."""
         header = self._header(run) | {"object": shapes.chunk_object}
         prompt_tokens = sum(len(p) for p in prompt_ids)
         completion_tokens = streamed = 0
+        usages: dict[int, Usage] = {}
 
         def event(index: int, delta: Delta) -> bytes:
             nonlocal completion_tokens, streamed
             if delta.usage is not None:
                 completion_tokens += delta.usage.completion_tokens
+                usages[index] = delta.usage
             streamed += len(delta.token_ids)
             chunk = header | {"choices": [shapes.chunk_choice(index, delta)]}
             if usage is not None:
@@ -423,7 +432,7 @@ class HttpFrontend:
                         return
                     run.done(index, msg)
             if usage is not None:
-                final = usage_dict(prompt_tokens, completion_tokens)
+                final = usage_dict(prompt_tokens, completion_tokens, cached_tokens(usages, n))
                 yield b"data: " + msgspec.json.encode(header | {"choices": [], "usage": final}) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnects: Starlette cancels this generator
@@ -432,6 +441,20 @@ class HttpFrontend:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "meshserve", "max_model_len": self.max_model_len}]}
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        """vLLM's POST /reset_prefix_cache. Safe while requests run: the step loop forgets the
+        cached blocks between steps, and the blocks of running requests stay theirs."""
+        if self.failure is not None or self.stopped:
+            raise engine_error("unavailable", "the server is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(ResetPrefixCacheCommand(done))
+        try:
+            dropped = await asyncio.wait_for(asyncio.wrap_future(done), RESET_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise engine_error("unavailable", f"the step loop did not answer within {RESET_TIMEOUT:.0f} s") from None
+        log.info("prefix cache reset: %d cached blocks forgotten", dropped)
+        return {"status": "ok", "dropped_blocks": dropped}
 
     def health(self) -> tuple[int, dict[str, str]]:
         if self.failure is not None:
@@ -559,6 +582,10 @@ def build_app(frontend: HttpFrontend) -> FastAPI:
     async def health():
         status, body = frontend.health()
         return JSONResponse(body, status)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return await frontend.reset_prefix_cache()
 
     @app.get("/metrics")
     async def metrics():

@@ -101,6 +101,13 @@ class EngineMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(PREFIX + "request_success", "Requests finished, by reason", ["finished_reason"],
                                 registry=r)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Tokens of admitted prompts looked up in the "
+                                      "prefix cache", registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Of those, tokens found in the prefix cache",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate", "prefix_cache_hits over prefix_cache_queries "
+                                     "since the start (0-1)", registry=r)
+        self._prefix_seen = (0, 0)
         self.steps = Counter(PREFIX + "engine_steps", "Engine steps run", registry=r)
         self.step_seconds = Counter(PREFIX + "engine_step_seconds", "Wall time inside engine steps", registry=r)
         self.flops = Counter(PREFIX + "model_flops", "Model FLOPs computed (all ranks)", registry=r)
@@ -129,6 +136,8 @@ class EngineMetrics:
         self.running.set_function(lambda: len(sched.running))
         self.waiting.set_function(lambda: len(sched.waiting))
         self.kv_usage.set_function(lambda: sched.blocks.usage)
+        blocks = sched.blocks
+        self.prefix_hit_rate.set_function(lambda: blocks.hit_tokens / blocks.query_tokens if blocks.query_tokens else 0.0)
         self._cost, self._roofline = cost, roofline
         if roofline is not None:
             self.peak_flops.set(roofline.peak_flops)
@@ -147,6 +156,12 @@ class EngineMetrics:
                 self.prompt_tokens.inc(seq.prompt_len)
         if batch.preempted:
             self.preemptions.inc(len(batch.preempted))
+        if self._engine is not None:
+            blocks = self._engine.scheduler.blocks
+            queries, hits = self._prefix_seen
+            self.prefix_queries.inc(blocks.query_tokens - queries)
+            self.prefix_hits.inc(blocks.hit_tokens - hits)
+            self._prefix_seen = (blocks.query_tokens, blocks.hit_tokens)
 
     def on_token(self, seq: Sequence) -> None:
         now = time.monotonic()

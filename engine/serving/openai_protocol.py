@@ -18,7 +18,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.comm import messages as bounds
-from meshserve.comm.messages import Completion, Delta, ErrorCode, SamplingParams, TokenLogprob
+from meshserve.comm.messages import Completion, Delta, ErrorCode, SamplingParams, TokenLogprob, Usage
 from meshserve.engine.admission import RequestError, check_params
 
 MAX_N = 128
@@ -146,6 +146,8 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, field(bounds.COUNT)]], field(bounds.STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Share cached KV blocks only with requests of the same salt."""
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -271,9 +273,20 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---------------------------------------------------------------- responses
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` (once known, at the end): prompt tokens whose KV
+    came from the prefix cache."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def cached_tokens(usages: dict[int, Usage], n: int) -> int:
+    """The usage's cached tokens: those of each prompt's first sample (sample i * n), as
+    prompt_tokens counts each prompt once however many samples it has."""
+    return sum(u.cached_tokens for index, u in usages.items() if index % n == 0)
 
 
 class LogprobFormatter:

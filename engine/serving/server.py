@@ -11,7 +11,8 @@ from typing import NoReturn
 
 from meshserve.comm.messages import ErrorReply
 from meshserve.engine.engine import Engine
-from meshserve.engine.serving.commands import AbortCommand, AddCommand, Command, Frontend, Inbox
+from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Command, Frontend, Inbox,
+                                               ResetPrefixCacheCommand)
 from meshserve.engine.admission import RequestError
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class Server:
             delta = self.engine.abort(cmd.key)
             if delta is not None:
                 self.send(cmd.key, delta)
+        elif isinstance(cmd, ResetPrefixCacheCommand):
+            cmd.done.set_result(self.engine.reset_prefix_cache())
         else:
             self._add(cmd)
 
@@ -145,7 +148,7 @@ class Server:
                 raise RequestError("overloaded", f"{tokens} prompt tokens are waiting and this request adds "
                                                  f"{len(cmd.prompt_ids)} (scheduler.max_waiting_tokens="
                                                  f"{self.max_waiting_tokens}); retry later")
-            self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream)
+            self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt)
         except RequestError as e:
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))
 

@@ -250,7 +250,7 @@ class ZmqFrontend:
         if self._tokenizing.pop(key, False):  # aborted while tokenizing
             self._failed.put((key.client, Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
             return
-        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream))
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt))
 
     def _admit(self, key: RequestKey, req: GenerateRequest, ids: list[int]) -> None:
         """A request of token ids, on the I/O thread (checking them is cheap)."""
@@ -259,7 +259,7 @@ class ZmqFrontend:
         except RequestError as e:
             self._reply_error(key.client, req.request_id, e.code, e.message)
             return
-        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream))
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt))
 
     def _refuse(self, identity: bytes, frame: bytes | None, what: str) -> None:
         self._refused("refused an unauthenticated client frame (%s)", what)

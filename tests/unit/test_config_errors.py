@@ -75,7 +75,7 @@ def test_unknown_key_from_override_names_dotted_path():
 def test_an_unknown_key_like_no_other_lists_its_section():
     msg = load_error(None, ["cache.qqq=1"])
     assert msg == (f"{BUILTIN_SOURCE}: cache.qqq: unknown key (the keys of cache: block_size, memory, num_blocks, "
-                   f"dtype)")
+                   f"dtype, prefix_caching)")
 
 
 def test_several_schema_errors_are_all_reported(tmp_path):
