@@ -90,8 +90,7 @@ class CacheConfig(Section):
     prefix_caching: bool = True
     """Keep the KV blocks of finished requests and reuse them for any later request that
     starts with the same tokens (multi-turn chat, shared system prompts); evicted least
-    recently used when memory is needed. Not with context parallelism (parallel.context > 1),
-    where it has no effect yet."""
+    recently used when memory is needed. Every topology and cache kind (meshserve.engine.block_manager)."""
 
     @field_validator("block_size")
     @classmethod

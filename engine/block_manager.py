@@ -14,9 +14,11 @@ evicted from the front (least recently used) only when no free block is left. A 
 block is never shared: a request that finds all its tokens cached still computes its last
 token (for the logits), in a block of its own.
 
-Context parallelism keeps each rank's share of a sequence under one block table, and
-which rank holds which token depends on how the sequence was chunked, so a block's
-contents are not a function of its tokens alone: with cp_size > 1 nothing is cached.
+Context parallelism stripes a sequence's tokens over the ranks by position alone
+(meshserve.parallel.context), under one block table whose entry j holds positions
+[j * cp * block_size, (j + 1) * cp * block_size), block_size of them on each rank. The
+prefix cache's unit is then one table entry: cp * block_size tokens, hashed as one block.
+A cached prefix lies on the ranks exactly as a fresh prefill would lay it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import OrderedDict, deque
 
 from meshserve.engine.prefix_hash import extend_hashes, root_hash
 from meshserve.engine.sequence import Sequence
-from meshserve.parallel.context import advance, chunk_owners
+from meshserve.parallel.context import local_lens_of
 
 
 class BlockManager:
@@ -39,7 +41,9 @@ class BlockManager:
                  cache_kind: str = "auto"):
         """`cache_kind`: what shapes the KV beyond the tokens (e.g. "int8"), part of every hash."""
         self.num_blocks, self.block_size, self.cp_size = num_blocks, block_size, cp_size
-        self.prefix_caching = prefix_caching and cp_size == 1
+        self.unit = block_size * cp_size
+        """Tokens of one block-table entry (over all the ranks of a context-parallel group)."""
+        self.prefix_caching = prefix_caching
         self.cache_kind = cache_kind
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -77,16 +81,20 @@ class BlockManager:
 
     def held_after(self, seq: Sequence, num_new: int) -> int:
         """Tokens of `seq` on its fullest rank once `num_new` more are computed."""
+        return self.held_after_tokens(seq.num_computed + num_new)
+
+    def held_after_tokens(self, num_tokens: int) -> int:
+        """Tokens of a sequence's first `num_tokens` on its fullest rank."""
         if self.cp_size == 1:
-            return seq.num_computed + num_new
-        return max(advance(seq.cp_local_lens, chunk_owners(seq.cp_local_lens, num_new)))
+            return num_tokens
+        return local_lens_of(num_tokens, self.cp_size, self.block_size)[0]
 
     # ------------------------------------------------------------------ the prefix cache
 
     def _hashes(self, seq: Sequence) -> list[bytes]:
         if seq.hash_root is None:
             seq.hash_root = root_hash(self.cache_kind, seq.cache_salt)
-        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.hash_root)
+        return extend_hashes(seq.block_hashes, seq.token_ids, self.unit, seq.hash_root)
 
     def match(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` (waiting, holding none) can start from: the longest chain of
@@ -94,7 +102,7 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         found = []
-        for h in self._hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
+        for h in self._hashes(seq)[:(seq.num_tokens - 1) // self.unit]:
             block = self._block_of.get(h)
             if block is None:
                 break
@@ -103,7 +111,7 @@ class BlockManager:
 
     def can_admit(self, seq: Sequence, cached: list[int], num_new: int) -> bool:
         """Whether `seq` fits when it starts from `cached` (match) and computes `num_new`."""
-        need = self.blocks_for(len(cached) * self.block_size + num_new) - len(cached)
+        need = self.blocks_for(self.held_after_tokens(len(cached) * self.unit + num_new)) - len(cached)
         revived = sum(1 for b in cached if self._refs[b] == 0)  # taken out of the evictable queue
         return need <= self.num_free - revived
 
@@ -115,7 +123,7 @@ class BlockManager:
                 del self._evictable[b]
             self._refs[b] += 1
         seq.block_ids = list(cached)
-        seq.num_computed = seq.num_registered = len(cached) * self.block_size
+        seq.num_computed = seq.num_registered = len(cached) * self.unit
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = min(seq.num_computed, seq.prompt_len)
         if self.prefix_caching:
@@ -126,16 +134,16 @@ class BlockManager:
     def _register(self, seq: Sequence) -> None:
         """Put `seq`'s newly computed full blocks in the cache (a block whose hash is already
         there, with the same contents, stays outside it and is freed when released)."""
-        full = seq.num_computed // self.block_size
-        if full * self.block_size <= seq.num_registered:
+        full = seq.num_computed // self.unit
+        if full * self.unit <= seq.num_registered:
             return
         hashes = self._hashes(seq)
-        for i in range(seq.num_registered // self.block_size, full):
+        for i in range(seq.num_registered // self.unit, full):
             block = seq.block_ids[i]
             if hashes[i] not in self._block_of and block not in self._hash_of:
                 self._block_of[hashes[i]] = block
                 self._hash_of[block] = hashes[i]
-        seq.num_registered = full * self.block_size
+        seq.num_registered = full * self.unit
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block; returns how many. Safe while requests run: the blocks
@@ -160,8 +168,6 @@ class BlockManager:
 
     def computed(self, seq: Sequence, num_new: int) -> None:
         """Record that `num_new` more tokens of `seq` are in the cache."""
-        if self.cp_size > 1:
-            seq.cp_local_lens = advance(seq.cp_local_lens, chunk_owners(seq.cp_local_lens, num_new))
         seq.num_computed += num_new
         if self.prefix_caching:
             self._register(seq)
@@ -190,4 +196,3 @@ class BlockManager:
                     self._free.append(b)
         seq.block_ids = []
         seq.num_computed = seq.num_registered = 0
-        seq.cp_local_lens = [0] * self.cp_size

@@ -108,7 +108,7 @@ class Engine:
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
             raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
         seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params,
-                       cp_local_lens=[0] * self.scheduler.blocks.cp_size, cache_salt=cache_salt)
+                       cache_salt=cache_salt)
         self._next_seq_id += 1
         state = RequestState(seq, request_id, stream, self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens))
         self.requests[key] = state

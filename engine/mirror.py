@@ -57,20 +57,16 @@ class ScheduledChunk:
 
 
 class SequenceMirror:
-    def __init__(self, cp_rank: int = 0, cp_size: int = 1):
+    def __init__(self, cp_rank: int = 0, cp_size: int = 1, block_size: int = 16):
         """`cp_rank`, `cp_size`: this rank's place in its context-parallel group, which
-        decides the tokens whose K/V it stores (meshserve.parallel.context)."""
-        self.cp_rank, self.cp_size = cp_rank, cp_size
+        with `block_size` decides the tokens whose K/V it stores (meshserve.parallel.context)."""
+        self.cp_rank, self.cp_size, self.block_size = cp_rank, cp_size, block_size
         self.seqs: dict[int, MirrorSeq] = {}
 
     def apply(self, plan: StepPlan) -> list[ScheduledChunk]:
         """Everything `plan` changes: forget its dropped sequences, extend the running
         ones, add the new ones, and count the step's tokens as computed. Returns the
         step's chunks in batch order (running, then new)."""
-        if self.cp_size > 1:
-            for n in plan.new:
-                if n.num_computed:
-                    raise ValueError(f"seq {n.seq_id}: a cached prefix with context parallelism is not supported")
         for seq_id in plan.dropped:
             self.seqs.pop(seq_id, None)
         chunks = []
@@ -80,8 +76,11 @@ class SequenceMirror:
             seq.block_ids.extend(d.new_block_ids)
             chunks.append(self._compute(d.seq_id, seq, d.num_new))
         for n in plan.new:
-            seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params,
-                            [0] * self.cp_size if self.cp_size > 1 else [])
+            seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
+            if self.cp_size > 1:  # a cached prefix lies where a fresh prefill would have put it
+                owners = chunk_owners(0, n.num_computed, self.cp_size, self.block_size)
+                seq.local_lens = advance([0] * self.cp_size, owners)
+                seq.local_positions = owned_positions(0, owners, self.cp_rank)
             self.seqs[n.seq_id] = seq
             chunks.append(self._compute(n.seq_id, seq, n.num_new))
         return chunks
@@ -90,7 +89,7 @@ class SequenceMirror:
         start = seq.num_computed
         owners, held = None, 0
         if self.cp_size > 1:
-            owners = chunk_owners(seq.local_lens, num_new)
+            owners = chunk_owners(start, num_new, self.cp_size, self.block_size)
             held = seq.local_lens[self.cp_rank]
             seq.local_positions.extend(owned_positions(start, owners, self.cp_rank))
             seq.local_lens = advance(seq.local_lens, owners)

@@ -6,11 +6,11 @@ sampling rank) sample.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from meshserve.comm.collectives import recv_from_prev_stage
+from meshserve.comm.collectives import recv_from_prev_stage, reduce_from_tp
 from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
@@ -62,6 +62,11 @@ class StepInputs:
     """Rows of the flat batch whose hidden state is sampled (last token of a finished chunk)."""
     sample_seq_ids: list[int]
     sampling: list[SamplingRow]
+    cp_relay: list[int] = field(default_factory=list)
+    """Context parallelism: sampled tokens that another rank of the group computed (the last
+    token of a split chunk is its owner's); per token, its row on this rank if this rank
+    computed it, else -1. Every rank of the group lists the same tokens; their hidden states
+    are summed over the group and appended after the batch's rows (sample_rows point there)."""
 
 
 class ModelRunner:
@@ -100,7 +105,7 @@ class ModelRunner:
             self.compiled = CompiledDecode(self.model)
             self.compiled.warm_up(self.model.backend, self.kv_caches, memory.block_size, self.device)
         self.sampler = Sampler(info.eos_token_ids, sampler_seed) if groups.is_sampler else None
-        self.mirror = SequenceMirror(groups.cp.rank, groups.cp.size)
+        self.mirror = SequenceMirror(groups.cp.rank, groups.cp.size, memory.block_size)
         self.stats = RunnerStats()
         self.ready_rss_bytes = resident_memory()[0]
 
@@ -144,9 +149,18 @@ class ModelRunner:
             steps.append(CPSeqStep(row0, share.queries, share.split, c.seq.block_ids, c.seq.local_positions,
                                    c.seq.local_lens, [row0 + r for r in share.stored_rows],
                                    list(range(c.held, c.held + len(share.stored)))))
-            # the last token of a split chunk is in the last segment, which is cp rank 0's
-            if c.sampled and cp.rank == 0:
-                self._add_sample(inputs, len(ids) - 1, c.seq_id, c.seq)
+            if not c.sampled:
+                continue
+            # the last token of a split chunk is computed by its owner only; else by every rank
+            owner = c.owners[-1] if share.split else 0
+            if owner == 0:
+                if cp.rank == 0:
+                    self._add_sample(inputs, len(ids) - 1, c.seq_id, c.seq)
+                continue
+            inputs.cp_relay.append(len(ids) - 1 if cp.rank == owner else -1)
+            if cp.rank == 0:
+                self._add_sample(inputs, -len(inputs.cp_relay), c.seq_id, c.seq)
+        inputs.sample_rows = [r if r >= 0 else len(ids) - r - 1 for r in inputs.sample_rows]
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         inputs.meta = build_cp_metadata(steps, cp.rank, self.memory.block_size, self.dtype, self.device)
@@ -157,6 +171,14 @@ class ModelRunner:
         sampled: those whose known tokens are all computed now, in batch order (what `prepare`
         picks, on any rank, since every mirror holds the same tokens and counts)."""
         return self.mirror.sampled_after(plan)
+
+    def _relay_samples(self, hidden: torch.Tensor, relay: list[int]) -> torch.Tensor:
+        """`hidden` with the relayed tokens' hidden states appended (StepInputs.cp_relay)."""
+        rows = hidden.new_zeros(len(relay), hidden.shape[-1])
+        for k, row in enumerate(relay):
+            if row >= 0:
+                rows[k] = hidden[row]
+        return torch.cat([hidden, reduce_from_tp(rows, self.groups.cp)])
 
     @staticmethod
     def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: MirrorSeq) -> None:
@@ -194,6 +216,8 @@ class ModelRunner:
             # NOTE: the next stage's first layer adds hidden and residual before its norm; sending
             # the sum is the same arithmetic with half the bytes.
             self.sender.send(hidden if residual is None else hidden + residual)
+        if inputs.cp_relay and self.model.lm_head is not None:
+            hidden = self._relay_samples(hidden, inputs.cp_relay)
         forwarded = time.perf_counter()
         self.stats.prepare_seconds += prepared - start
         self.stats.forward_seconds += forwarded - prepared

@@ -82,7 +82,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             cached = self.blocks.match(seq)
-            n = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
+            n = min(seq.num_tokens - len(cached) * self.blocks.unit, budget)
             if not self.blocks.can_admit(seq, cached, n):
                 break
             self.waiting.popleft()

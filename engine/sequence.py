@@ -28,8 +28,6 @@ class Sequence:
     num_computed: int = 0
     """Tokens whose K/V are in the cache."""
     block_ids: list[int] = field(default_factory=list)
-    cp_local_lens: list[int] = field(default_factory=lambda: [0])
-    """Context parallelism: tokens each rank of the group holds in its cache."""
     num_preemptions: int = 0
     # What the ranks already hold (control-plane deltas); 0 tokens: the ranks do not know it.
     sent_tokens: int = 0

@@ -2,16 +2,19 @@
 computes of a chunk. Plain Python: the driver (block allocation) and every rank (its
 share of the batch) compute the same.
 
-A chunk of at least 2 * cp tokens (a prefill, or a prefill chunk) is cut into 2 * cp
-segments of (nearly) equal length and rank r takes segments r and 2*cp - 1 - r: under a
-causal mask an early segment attends to little and a late one to much, so the head-tail
-pair gives every rank the same attention work (the "zigzag" split of ring attention).
-A shorter chunk (a decode step) goes token by token to the rank that holds the fewest
-tokens of the sequence (the lowest such rank), so the shards stay balanced.
+Tokens are striped over the ranks by KV block: position p belongs to rank
+(p // block_size) % cp. Who holds a token depends on its position alone, never on how the
+sequence was chunked, so the K/V of a prefix is laid out the same whichever request
+computed it, in one chunk or many: that is what lets a cached prefix be reused under
+context parallelism (meshserve.engine.block_manager). Each rank takes every cp-th block of
+a long chunk, so under a causal mask the ranks' attention work differs by at most about a
+block's worth per cp blocks (the head-tail "zigzag" split would balance a single chunk
+exactly, but lays out the same prefix differently for different chunkings).
 
 Every rank stores the K/V of its tokens in position order, densely: the k-th token a rank
-holds sits at local index k of that rank's paged cache, under a block table all ranks
-of the group share (each rank's cache is its own memory).
+holds sits at local index k of that rank's paged cache, under a block table all ranks of
+the group share (each rank's cache is its own memory). Entry j of the table holds, on rank
+r, global block j * cp + r: one table entry covers cp * block_size consecutive positions.
 """
 
 from __future__ import annotations
@@ -19,42 +22,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:
-    """[start, end) offsets of `segments` nearly equal parts of `length` (the first ones
-    one longer when it does not divide)."""
-    base, extra = divmod(length, segments)
-    bounds, start = [], 0
-    for i in range(segments):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+def owner_of(position: int, cp_size: int, block_size: int) -> int:
+    return (position // block_size) % cp_size
 
 
-def is_split(length: int, cp_size: int) -> bool:
-    """A chunk this long is divided among the ranks (else every rank computes all of it)."""
-    return cp_size > 1 and length >= 2 * cp_size
+def chunk_owners(start: int, length: int, cp_size: int, block_size: int) -> list[int]:
+    """The rank that stores each token of the chunk [start, start + length), in position order."""
+    return [owner_of(p, cp_size, block_size) for p in range(start, start + length)]
 
 
-def chunk_owners(local_lens: list[int], length: int) -> list[int]:
-    """The rank that stores each of a chunk's tokens, in position order. `local_lens`:
-    tokens each rank holds before the chunk."""
-    cp = len(local_lens)
-    if cp == 1:
-        return [0] * length
-    if is_split(length, cp):
-        owners = [0] * length
-        for seg, (a, b) in enumerate(segment_bounds(length, 2 * cp)):
-            rank = seg if seg < cp else 2 * cp - 1 - seg
-            owners[a:b] = [rank] * (b - a)
-        return owners
-    held = list(local_lens)
-    owners = []
-    for _ in range(length):
-        rank = min(range(cp), key=lambda r: (held[r], r))
-        owners.append(rank)
-        held[rank] += 1
-    return owners
+def is_split(owners: list[int], cp_size: int) -> bool:
+    """A chunk with these owners is divided among the ranks (each computes its own tokens)
+    when every rank owns some of it; else every rank computes all of it (a decode token, a
+    chunk within one block) and stores only its own."""
+    return cp_size > 1 and len(set(owners)) == cp_size
 
 
 def advance(local_lens: list[int], owners: list[int]) -> list[int]:
@@ -65,12 +46,10 @@ def advance(local_lens: list[int], owners: list[int]) -> list[int]:
     return out
 
 
-def local_lens_of(chunks: list[int], cp_size: int) -> list[int]:
-    """Tokens each rank holds after a sequence was computed in chunks of these lengths."""
-    lens = [0] * cp_size
-    for n in chunks:
-        lens = advance(lens, chunk_owners(lens, n))
-    return lens
+def local_lens_of(num_tokens: int, cp_size: int, block_size: int) -> list[int]:
+    """Tokens each rank holds of a sequence's first `num_tokens` (rank 0 the most)."""
+    cycles, rest = divmod(num_tokens, cp_size * block_size)
+    return [cycles * block_size + min(block_size, max(0, rest - r * block_size)) for r in range(cp_size)]
 
 
 def owned_positions(start: int, owners: list[int], rank: int) -> list[int]:
@@ -96,6 +75,6 @@ class RankShare:
 def rank_share(start: int, owners: list[int], rank: int, cp_size: int) -> RankShare:
     """`rank`'s share of a chunk beginning at `start` with these owners (chunk_owners)."""
     stored = owned_positions(start, owners, rank)
-    if is_split(len(owners), cp_size):
+    if is_split(owners, cp_size):
         return RankShare(True, stored, stored, list(range(len(stored))))
     return RankShare(False, list(range(start, start + len(owners))), stored, [p - start for p in stored])

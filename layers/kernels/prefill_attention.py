@@ -8,7 +8,7 @@ through the block table. Masks:
 - CAUSAL: query i of a chunk of q_len over kv_len cached tokens (its own included) is at
   position kv_len - q_len + i and sees keys 0..that position (a chunk after a cached prefix
   attends to the prefix and, causally, to itself); keys past the tile's last query are skipped;
-- POSITIONS: query i sees key j iff k_pos[j] <= q_pos[i] (ring attention's zigzag shares);
+- POSITIONS: query i sees key j iff k_pos[j] <= q_pos[i] (ring attention's shares of striped blocks);
 - NONE: every key.
 With `block_size=0` the keys are one contiguous (kv_len, num_kv_heads, head_dim) tensor
 instead of a paged cache. LSE contract: natural log, float32, (num_queries, num_heads); a

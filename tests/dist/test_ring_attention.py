@@ -13,6 +13,8 @@ from meshserve.parallel.topology import Topology
 from support.dist import run_ranks
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
+BLOCK = 4
+"""KV block size: tokens are striped over the ranks by blocks of this many positions."""
 
 
 def full_causal(q, k, v):
@@ -34,11 +36,11 @@ def check_ring(groups, chunks, seed):
     owners_all: list[int] = []
     start, worst = 0, 0.0
     for n in chunks:
-        owners = chunk_owners(lens, n)
+        owners = chunk_owners(start, n, cp.size, BLOCK)
         lens = advance(lens, owners)
         owners_all += owners
         held = [p for p, o in enumerate(owners_all) if o == cp.rank]  # this rank's keys, prefix included
-        if is_split(n, cp.size):  # the chunk's queries live on their owners: ring
+        if is_split(owners, cp.size):  # the chunk's queries live on their owners: ring
             mine = [start + i for i, o in enumerate(owners) if o == cp.rank]
             out, lse = ring_attention(q[mine], mine, k[held], v[held], held, lens, cp, DIM ** -0.5)
         else:  # a short chunk is computed on every rank: partial attention, merged
@@ -58,13 +60,8 @@ def check_decode_merge(groups, prompt, seed):
     total = prompt + 3
     q, k, v = (torch.randn(total, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
     want = full_causal(q, k, v)
-    lens = [0] * cp.size
-    owners = chunk_owners(lens, prompt)
-    lens = advance(lens, owners)
-    for _ in range(3):  # three decode steps: one token each, to the least-filled rank
-        step = chunk_owners(lens, 1)
-        lens = advance(lens, step)
-        owners += step
+    owners = chunk_owners(0, total, cp.size, BLOCK)  # the prompt, then three decode steps
+    lens = advance([0] * cp.size, owners)
     held = [p for p, o in enumerate(owners) if o == cp.rank]
     queries = list(range(prompt, total))
     out, lse = attend(q[queries], queries, k[held], v[held], held, DIM ** -0.5)
@@ -85,12 +82,12 @@ def test_ring_attention_matches_full_causal(cp):
     for errors, decode in results:
         assert max(errors) < 1e-5, errors
         assert max(e for e, _ in decode) < 1e-5, decode
-    lens = results[0][1][1][1]  # shards stay balanced: 17 + 3 tokens over cp ranks
-    assert max(lens) - min(lens) <= 1
+    lens = results[0][1][1][1]  # shards stay balanced: 17 + 3 tokens over cp ranks, a block apart at most
+    assert max(lens) - min(lens) <= BLOCK
 
 
 def test_attend_single_rank_with_gaps():
-    """Keys and queries with gaps in their positions (a rank's share after zigzag)."""
+    """Keys and queries with gaps in their positions (a rank's share of striped blocks)."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(40, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
     want = full_causal(q, k, v)

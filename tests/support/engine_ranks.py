@@ -13,26 +13,32 @@ from meshserve.launcher.rank import run_in_world
 
 
 class CollectMode:
-    def __init__(self, prompts, params):
-        self.prompts, self.params, self.results = prompts, params, None
+    """Generates `prompts` with `params`; then, if given, the `then` prompts and params (a
+    second wave, after the first finished: it can reuse the first's cached prefixes)."""
+
+    def __init__(self, prompts, params, then=None):
+        self.prompts, self.params, self.then, self.results = prompts, params, then, None
 
     def prepare(self, config, tokenizer, info, memory) -> None:
         pass
 
     def run(self, engine) -> int:
         completions = generate(engine, self.prompts, self.params)
+        if self.then is not None:
+            completions += generate(engine, *self.then)
         self.results = [{"token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                         "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []]}
+                         "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []],
+                         "cached_tokens": c.usage.cached_tokens}
                         for c in completions]
         self.stats = {"preemptions": engine.scheduler.num_preemptions, "steps": engine.stats.steps}
         return 0
 
 
-def run_engine(groups, overrides: list[str], prompts: list[list[int]], params: list[SamplingParams]):
+def run_engine(groups, overrides: list[str], prompts: list[list[int]], params: list[SamplingParams], then=None):
     """On every rank of the harness's world; returns (results, stats) on the driver, None elsewhere."""
     config = load_config(None, overrides)
     info = check_config(config)
-    mode = CollectMode(prompts, params)
+    mode = CollectMode(prompts, params, then)
     env = RankEnv(global_rank=groups.global_rank, world_size=groups.world_size, local_world_size=groups.world_size)
     run_in_world(config, info, plan_memory(config, info), env, mode, groups)
     return (mode.results, mode.stats) if groups.is_driver else None

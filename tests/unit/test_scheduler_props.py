@@ -41,7 +41,7 @@ from meshserve.engine.mirror import SequenceMirror  # noqa: E402
 from meshserve.engine.plan import PlanBuilder  # noqa: E402
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler  # noqa: E402
 from meshserve.engine.sequence import Sequence, SeqStatus  # noqa: E402
-from meshserve.parallel.context import chunk_owners, is_split, local_lens_of, rank_share  # noqa: E402
+from meshserve.parallel.context import advance, chunk_owners, is_split, local_lens_of, rank_share  # noqa: E402
 
 
 def test_scheduler_modules_import_no_torch():
@@ -77,6 +77,10 @@ class Req:
     """Abort this many steps after arrival (None: never)."""
     abort_mid_step: bool
     """Abort between schedule() and update(), as if the abort raced the running step."""
+    prompt: tuple[int, ...] | None = None
+    """The prompt's tokens (None: tokens of its own). Prefix caching's scenarios draw them from
+    two values, so prompts share prefixes, and blocks of the same tokens follow different ones."""
+    salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,11 @@ class Scenario:
     max_num_seqs: int
     max_batched_tokens: int
     reqs: tuple[Req, ...]
+    prefix_caching: bool = False
 
 
 @st.composite
-def scenarios(draw, allow_aborts: bool = True) -> Scenario:
+def scenarios(draw, allow_aborts: bool = True, prefix_caching: bool = False) -> Scenario:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     num_blocks = draw(st.integers(1, 12))
     capacity = block_size * num_blocks
@@ -102,9 +107,14 @@ def scenarios(draw, allow_aborts: bool = True) -> Scenario:
         total = draw(st.integers(2, max(2, limit)))
         prompt_len = draw(st.integers(1, total - 1))
         abort_after = draw(st.none() | st.integers(0, 12)) if allow_aborts else None
+        prompt, salt = None, None
+        if prefix_caching:
+            prompt = tuple(draw(st.lists(st.integers(0, 1), min_size=prompt_len, max_size=prompt_len)))
+            salt = draw(st.sampled_from([None, None, "a"]))
         reqs.append(Req(draw(st.integers(0, 8)), prompt_len, total - prompt_len, abort_after,
-                        draw(st.booleans())))
-    return Scenario(block_size, num_blocks, draw(st.integers(1, 5)), draw(st.integers(1, 24)), tuple(reqs))
+                        draw(st.booleans()), prompt, salt))
+    return Scenario(block_size, num_blocks, draw(st.integers(1, 5)), draw(st.integers(1, 24)), tuple(reqs),
+                    prefix_caching)
 
 
 @dataclass
@@ -117,21 +127,41 @@ class Outcome:
 
 
 def check_blocks(bm: BlockManager, live: list[Sequence], finished: list[Sequence]) -> None:
-    """Blocks are conserved: each one is free or in exactly one block table."""
-    held = [b for s in live for b in s.block_ids]
-    free = list(bm._free)
-    assert len(held) == len(set(held)), "a block is in two block tables (or twice in one)"
+    """Blocks are conserved: each one is free, evictable (cached, in no block table), or in
+    use, referenced exactly as often as it appears in block tables; without prefix caching
+    a block is in at most one table, with it only sequences of the same salt share one."""
+    holders: dict[int, list[Sequence]] = {}
+    for s in live:
+        assert len(s.block_ids) == len(set(s.block_ids)), f"seq {s.seq_id} holds a block twice"
+        for b in s.block_ids:
+            holders.setdefault(b, []).append(s)
+    free, evictable = list(bm._free), list(bm._evictable)
     assert len(free) == len(set(free)), "a block is twice in the free list"
-    assert not set(held) & set(free), "a block is both free and in a block table"
-    assert bm.num_free + len(held) == bm.num_blocks
-    assert set(held) | set(free) == set(range(bm.num_blocks))
+    assert not set(holders) & set(free), "a block is both free and in a block table"
+    assert not set(holders) & set(evictable), "a block is both evictable and in a block table"
+    assert not set(free) & set(evictable), "a block is both free and evictable"
+    assert len(holders) + len(free) + len(evictable) == bm.num_blocks
+    assert bm.num_free == len(free) + len(evictable)
+    for b in range(bm.num_blocks):
+        assert bm.ref_count(b) == len(holders.get(b, [])) >= 0, f"block {b}: reference count off"
+    for b in evictable:
+        assert b in bm._hash_of, f"evictable block {b} has no hash"
+    for b, seqs in holders.items():
+        assert bm.prefix_caching or len(seqs) == 1, f"block {b} is in two block tables"
+        assert len({s.cache_salt for s in seqs}) == 1, f"block {b} is shared across salts"
     for s in finished:
         assert s.block_ids == [], f"finished seq {s.seq_id} still holds blocks"
 
 
+def prompt_of(r: Req, seq_id: int) -> list[int]:
+    return list(r.prompt) if r.prompt is not None else [fake_token(10_000 + seq_id, p) for p in range(r.prompt_len)]
+
+
 def simulate(sc: Scenario) -> Outcome:
-    bm = BlockManager(sc.num_blocks, sc.block_size)
+    bm = BlockManager(sc.num_blocks, sc.block_size, prefix_caching=sc.prefix_caching)
     sched = Scheduler(bm, sc.max_num_seqs, sc.max_batched_tokens)
+    kv: dict[int, tuple[int, int]] = {}
+    """The "KV cache": slot -> (position, token) of what the ranks wrote there."""
     plans = PlanBuilder()
     mirror = SequenceMirror()
     enc = encoder()
@@ -166,8 +196,8 @@ def simulate(sc: Scenario) -> Outcome:
             i = pending.pop(0)
             r = sc.reqs[i]
             seq_id = len(seqs)
-            prompt = [fake_token(10_000 + seq_id, p) for p in range(r.prompt_len)]
-            seq = Sequence(seq_id, i, prompt, r.prompt_len, SamplingParams(max_tokens=r.max_tokens))
+            seq = Sequence(seq_id, i, prompt_of(r, seq_id), r.prompt_len, SamplingParams(max_tokens=r.max_tokens),
+                           cache_salt=r.salt)
             seqs[seq_id] = seq
             arrival_rank[seq_id] = len(arrival_rank)
             sched.add(seq)
@@ -238,6 +268,13 @@ def simulate(sc: Scenario) -> Outcome:
             assert c.start == seq.num_computed and mseq.num_computed == seq.num_computed + want_n
             assert c.owners is None and mseq.local_lens == [] and mseq.local_positions == []
             assert mseq.prompt_len == seq.prompt_len and mseq.params == seq.params
+            # what the step reads (a cached prefix included) is this sequence's, then it writes its chunk
+            bs = sc.block_size
+            slot = [mseq.block_ids[p // bs] * bs + p % bs for p in range(c.start + c.num_new)]
+            for p in range(c.start):
+                assert kv.get(slot[p]) == (p, mseq.token_ids[p]), f"seq {sid}: wrong K/V at position {p}"
+            for p in range(c.start, c.start + c.num_new):
+                kv[slot[p]] = (p, mseq.token_ids[p])
         assert set(mirror.seqs) == {s.seq_id for s in live() if s.sent_tokens}, "rank holds stale or missing seqs"
 
         # --- the step "runs"; the sampling rank samples for seqs at the end of their tokens
@@ -305,6 +342,14 @@ def test_every_request_finishes_without_aborts(sc):
     out = simulate(sc)
     check_outcome(sc, out)
     assert len(out.finished) == len(sc.reqs)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(prefix_caching=True))
+def test_engine_loop_invariants_with_prefix_caching(sc):
+    """Shared prefixes, salts, preemption and aborts: every step reads the K/V of its own
+    tokens, blocks are conserved and reference counts exact (check_blocks)."""
+    check_outcome(sc, simulate(sc))
 
 
 # ---------------------------------------------------------------- deterministic cases
@@ -404,56 +449,75 @@ def test_single_request_filling_the_whole_cache(num_blocks, block_size):
 
 
 @settings(max_examples=80, deadline=None)
-@given(cp_size=st.sampled_from([2, 3, 4]), chunks=st.lists(st.integers(1, 20), min_size=1, max_size=10))
-def test_cp_mirrors_agree_with_the_driver_on_who_holds_which_token(cp_size, chunks):
-    # One prompt computed in these chunks: every rank of the group applies the same plans.
+@given(cp_size=st.sampled_from([2, 3, 4]), block_size=st.sampled_from([1, 2, 4]), cached_units=st.integers(0, 3),
+       chunks=st.lists(st.integers(1, 20), min_size=1, max_size=10))
+def test_cp_layout_depends_on_positions_alone(cp_size, block_size, cached_units, chunks):
+    """A prompt that starts from a cached prefix, then is computed in these chunks: every rank
+    of the group applies the same plans, agrees with the driver, and ends up holding exactly
+    the positions a fresh prefill in one chunk would have given it (so a prefix computed by
+    one request can be reused by another, however each was chunked)."""
     params = SamplingParams(max_tokens=1)
-    prompt = [fake_token(1, p) for p in range(sum(chunks))]
-    mirrors = [SequenceMirror(rank, cp_size) for rank in range(cp_size)]
-    driver = Sequence(0, 0, list(prompt), len(prompt), params, cp_local_lens=[0] * cp_size)
-    blocks = BlockManager(1, 1, cp_size)
+    unit = cp_size * block_size
+    start = cached_units * unit
+    prompt = [fake_token(1, p) for p in range(start + sum(chunks))]
+    mirrors = [SequenceMirror(rank, cp_size, block_size) for rank in range(cp_size)]
+    driver = Sequence(0, 0, list(prompt), len(prompt), params)
+    blocks = BlockManager(64, block_size, cp_size)
+    driver.num_computed = start
     enc = encoder()
-    start = 0
     for step, n in enumerate(chunks):
         if step == 0:
-            plan = StepPlan(step, [], [NewSeq(0, prompt, len(prompt), [0], 0, n, params)], [])
+            plan = StepPlan(step, [], [NewSeq(0, prompt, len(prompt), [0], start, n, params)], [])
         else:
             plan = StepPlan(step, [SeqDelta(0, [], [], n)], [], [])
         wire = enc.encode(plan)
-        owners = chunk_owners(driver.cp_local_lens, n)
+        owners = chunk_owners(start, n, cp_size, block_size)
+        lens_before = local_lens_of(start, cp_size, block_size)
         for m in mirrors:
             (c,) = m.apply(receive(wire))
             assert (c.start, c.num_new, c.owners) == (start, n, owners)
-            assert c.held == driver.cp_local_lens[m.cp_rank]
+            assert c.held == lens_before[m.cp_rank]
             assert c.sampled == (start + n == len(prompt))
         # the share of each rank: stored tokens partition the chunk, queries are all or one's own
         shares = [rank_share(start, owners, rank, cp_size) for rank in range(cp_size)]
         assert sorted(p for s in shares for p in s.stored) == list(range(start, start + n))
         for s in shares:
-            assert s.split == is_split(n, cp_size)
+            assert s.split == (len(set(owners)) == cp_size) == is_split(owners, cp_size)
             assert s.queries == (s.stored if s.split else list(range(start, start + n)))
             assert [s.queries[r] for r in s.stored_rows] == s.stored
+        assert blocks.held_after(driver, n) == max(local_lens_of(start + n, cp_size, block_size))
         blocks.computed(driver, n)
         start += n
         held = [m.seqs[0] for m in mirrors]
-        want_lens = local_lens_of(chunks[:step + 1], cp_size)
-        assert want_lens == driver.cp_local_lens
-        for seq in held:
+        fresh = chunk_owners(0, start, cp_size, block_size)  # the whole prefix in one chunk
+        want_lens = advance([0] * cp_size, fresh)
+        assert want_lens == local_lens_of(start, cp_size, block_size)
+        for rank, seq in enumerate(held):
             assert seq.num_computed == start == driver.num_computed
             assert seq.local_lens == want_lens
-        positions = [seq.local_positions for seq in held]
-        assert [len(p) for p in positions] == want_lens
-        assert all(p == sorted(p) for p in positions)
-        assert sorted(p for ps in positions for p in ps) == list(range(start))
+            assert seq.local_positions == [p for p in range(start) if fresh[p] == rank]
+        # table entry j holds positions [j * unit, (j + 1) * unit): global block j * cp + r on rank r
+        for rank, seq in enumerate(held):
+            for k, p in enumerate(seq.local_positions):
+                assert (k // block_size, k % block_size) == (p // unit, p % block_size)
 
 
-def test_cp_mirror_refuses_a_cached_prefix_and_changes_nothing():
-    params = SamplingParams()
-    mirror = SequenceMirror(0, 2)
-    mirror.apply(StepPlan(0, [], [NewSeq(0, [1, 2, 3], 3, [0], 0, 2, params)], []))
-    cached = StepPlan(1, [SeqDelta(0, [], [], 1)], [NewSeq(1, [1, 2, 3], 3, [1], 2, 1, params)], [0])
-    with pytest.raises(ValueError, match="seq 1: a cached prefix with context parallelism is not supported"):
-        mirror.apply(cached)
-    assert list(mirror.seqs) == [0] and mirror.seqs[0].num_computed == 2
-    (c,) = SequenceMirror().apply(StepPlan(0, [], [NewSeq(1, [1, 2, 3], 3, [1], 2, 1, params)], []))
-    assert (c.start, c.num_new, c.sampled, c.owners) == (2, 1, True, None)
+def test_cp_prefix_cache_unit_is_one_table_entry():
+    """With cp = 2 and blocks of 2, a table entry holds 4 positions (2 on each rank): a second
+    request with the same 9-token prompt finds the first 8 cached, in 2 entries."""
+    blocks = BlockManager(8, 2, cp_size=2, prefix_caching=True)
+    sched = Scheduler(blocks, max_num_seqs=4, max_batched_tokens=64)
+    first = Sequence(0, 0, list(range(9)), 9, SamplingParams(max_tokens=1))
+    sched.add(first)
+    batch = sched.schedule()
+    assert len(first.block_ids) == 3  # 9 tokens: rank 0 holds 5 (positions 0-1, 4-5, 8)
+    sched.update(batch, {0: 99})
+    first_blocks = list(first.block_ids)
+    sched.finish(first)
+    second = Sequence(1, 1, list(range(9)), 9, SamplingParams(max_tokens=1))
+    sched.add(second)
+    batch = sched.schedule()
+    assert batch.seqs == [second] and second.block_ids[:2] == first_blocks[:2]
+    assert batch.num_new == [1] and second.num_cached_tokens == 8 and blocks.hit_tokens == 8
+
+
