@@ -399,7 +399,8 @@ EXPECTED_FAMILIES = [
     "meshserve_kv_cache_usage_ratio", "meshserve_num_preemptions", "meshserve_prompt_tokens",
     "meshserve_generation_tokens", "meshserve_request_success", "meshserve_model_flops_utilization",
     "meshserve_memory_bandwidth_utilization", "meshserve_peak_flops", "meshserve_peak_memory_bandwidth_bytes",
-    "meshserve_http_responses",
+    "meshserve_http_responses", "meshserve_prefix_cache_queries", "meshserve_prefix_cache_hits",
+    "meshserve_prefix_cache_hit_rate",
 ]
 
 
@@ -435,6 +436,51 @@ def test_metrics_move_with_traffic(url, oai):
     assert 0 < after['meshserve_rank_busy_ratio{rank="0"}'] <= 1
     assert after['meshserve_rank_busy_seconds{rank="0"}'] > 0
     assert after['meshserve_rank_resident_memory_bytes{rank="0"}'] > 100e6
+
+
+# ------------------------------------------------------------------ prefix caching
+
+
+def test_prefix_cache_in_usage_metrics_and_reset(url, oai, zmq_client, tok):
+    """A prompt that extends an earlier one reuses its full blocks (16 tokens): OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how many, streamed or not, and so does the
+    ZMQ client's usage; another cache_salt shares nothing; the counters move by the prompt
+    tokens and the hits; POST /reset_prefix_cache forgets the cache."""
+    reset = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200 and reset.json()["status"] == "ok"
+    before = idle(url)
+    first = tok.encode(PROMPT + " Rome. " + PROMPT)
+    shared = len(first) // 16 * 16
+    assert shared >= 32
+
+    def complete(prompt, **extra):
+        return oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+
+    r1 = complete(first)
+    r2 = complete(first + [11, 12, 13])
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    assert r2.usage.prompt_tokens_details.cached_tokens == shared
+    stream = oai.completions.create(model=MODEL, prompt=first + [14, 15], max_tokens=4, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    final = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert final.prompt_tokens_details.cached_tokens == shared
+    salted = complete(first + [11, 12, 13], cache_salt="another tenant")
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].text == r2.choices[0].text
+    z = zmq_client.generate(first + [16], max_tokens=4, temperature=0)
+    assert z.usage.cached_tokens == shared
+    z_salted = zmq_client.generate(first + [16], max_tokens=4, temperature=0, cache_salt="another tenant")
+    assert z_salted.usage.cached_tokens == shared  # the salted HTTP request's blocks, same salt
+    assert z_salted.token_ids == z.token_ids
+    after = idle(url)
+    prompts = [len(first), len(first) + 3, len(first) + 2, len(first) + 3, len(first) + 1, len(first) + 1]
+    assert after["meshserve_prefix_cache_queries_total"] - before["meshserve_prefix_cache_queries_total"] == sum(prompts)
+    assert after["meshserve_prefix_cache_hits_total"] - before["meshserve_prefix_cache_hits_total"] == 4 * shared
+    assert after["meshserve_prefix_cache_hit_rate"] == pytest.approx(
+        after["meshserve_prefix_cache_hits_total"] / after["meshserve_prefix_cache_queries_total"])
+    reset = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200 and reset.json()["dropped_blocks"] >= 2 * shared // 16
+    assert complete(first + [11, 12, 13]).usage.prompt_tokens_details.cached_tokens == 0
 
 
 # ------------------------------------------------------------------ bench
