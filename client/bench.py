@@ -28,6 +28,7 @@ from tqdm import tqdm
 from meshserve.client.bench_data import (BenchPrompt, load_jsonl, random_text_prompts, random_token_prompts,
                                          random_words)
 from meshserve.client.bench_stats import RequestResult, format_result, plot, summarize
+from meshserve.client.bench_workloads import Conversation, multi_turn, prefix_repetition
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -72,7 +73,8 @@ class Target:
             body["ignore_eos"] = True
             body["min_tokens"] = body["max_tokens"]
         if self.chat:
-            body["messages"] = [{"role": "user", "content": p.prompt}]
+            is_messages = isinstance(p.prompt, list) and p.prompt and isinstance(p.prompt[0], dict)
+            body["messages"] = p.prompt if is_messages else [{"role": "user", "content": p.prompt}]
         else:
             body["prompt"] = p.prompt
         return body
@@ -113,6 +115,9 @@ class Target:
                     if obj.get("usage"):
                         r.output_len = obj["usage"].get("completion_tokens") or 0
                         r.prompt_len = obj["usage"].get("prompt_tokens") or r.prompt_len
+                        details = obj["usage"].get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            r.cached_tokens = int(details["cached_tokens"])
             r.latency = time.perf_counter() - start
             r.output_len = r.output_len or len(pieces)
             r.text = "".join(pieces)
@@ -137,41 +142,67 @@ async def resolve_model(client: httpx.AsyncClient, url: str) -> str:
     return resp.json()["data"][0]["id"]
 
 
-async def make_prompts(client: httpx.AsyncClient, target: Target, args) -> list[BenchPrompt]:
+async def make_prompts(client: httpx.AsyncClient, target: Target, args) -> list[BenchPrompt] | list[Conversation]:
+    """The workload's requests: prompts, or conversations for `--dataset-name multi-turn`."""
     rng = np.random.default_rng(args.seed)
     if args.dataset:
         return load_jsonl(args.dataset, args.num_prompts, args.output_len)
     if args.prompt_format == "tokens":
-        if target.chat:
-            raise ValueError("--prompt-format tokens needs a completions endpoint")
+        if target.chat or args.dataset_name != "random":
+            raise ValueError("--prompt-format tokens needs a completions endpoint and --dataset-name random")
         return random_token_prompts(rng, args.num_prompts, args.input_len, args.output_len)
     # Calibrate words -> tokens on the server itself (two lengths: a template adds a constant).
     short, long = random_words(rng, 50), random_words(rng, 250)
     t_short, t_long = await target.prompt_tokens(client, short), await target.prompt_tokens(client, long)
     per_word = max(0.1, (t_long - t_short) / 200)
     overhead = max(0.0, t_short - 50 * per_word)
+    if args.dataset_name == "prefix-repetition":
+        return prefix_repetition(rng, args.num_prompts, args.num_prefixes, args.prefix_len, args.suffix_len,
+                                 args.output_len, per_word)
+    if args.dataset_name == "multi-turn":
+        return multi_turn(rng, args.num_prompts, args.num_turns, args.input_len, args.output_len, per_word)
     prompts = random_text_prompts(rng, args.num_prompts, max(1, round(args.input_len - overhead)), args.output_len,
                                   per_word)
     return [BenchPrompt(p.prompt, p.output_len, args.input_len) for p in prompts]
 
 
-async def run_once(target: Target, prompts: list[BenchPrompt], rate: float, concurrency: int | None,
-                   burstiness: float, seed: int, show_progress: bool, timeout: float) -> tuple[list[RequestResult], float]:
+def first_request(item: BenchPrompt | Conversation, chat: bool) -> BenchPrompt:
+    return item.turn(0, chat) if isinstance(item, Conversation) else item
+
+
+async def run_once(target: Target, prompts: list[BenchPrompt] | list[Conversation], rate: float,
+                   concurrency: int | None, burstiness: float, seed: int, show_progress: bool,
+                   timeout: float) -> tuple[list[RequestResult], float]:
+    """Every prompt (or conversation: its turns one after another, holding one slot of
+    `concurrency` throughout) arriving at `rate`; the results of every request."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency or 256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=60.0), limits=limits,
                                  headers=auth_headers(getattr(target.args, "api_key", None))) as client:
         gate = asyncio.Semaphore(concurrency) if concurrency else None
-        bar = tqdm(total=len(prompts), disable=not show_progress, file=sys.stderr)
+        total = sum(len(p.questions) if isinstance(p, Conversation) else 1 for p in prompts)
+        bar = tqdm(total=total, disable=not show_progress, file=sys.stderr)
         rng = np.random.default_rng(seed + 1)
 
-        async def one(p: BenchPrompt) -> RequestResult:
+        async def requests(item: BenchPrompt | Conversation) -> list[RequestResult]:
+            if not isinstance(item, Conversation):
+                bar.update(1)
+                return [await target.request(client, item)]
+            conversation = Conversation(item.questions, item.output_len)  # a fresh history each run
+            out = []
+            for i in range(len(item.questions)):
+                r = await target.request(client, conversation.turn(i, target.chat))
+                out.append(r)
+                bar.update(1)
+                if not r.success:
+                    break
+                conversation.answered(i, r.text)
+            return out
+
+        async def one(item: BenchPrompt | Conversation) -> list[RequestResult]:
             if gate is None:
-                r = await target.request(client, p)
-            else:
-                async with gate:
-                    r = await target.request(client, p)
-            bar.update(1)
-            return r
+                return await requests(item)
+            async with gate:
+                return await requests(item)
 
         start = time.perf_counter()
         tasks = []
@@ -180,10 +211,10 @@ async def run_once(target: Target, prompts: list[BenchPrompt], rate: float, conc
             if math.isfinite(rate) and i + 1 < len(prompts):
                 # Poisson arrivals when burstiness == 1; gamma gaps with the same mean otherwise
                 await asyncio.sleep(rng.gamma(burstiness, 1.0 / (rate * burstiness)))
-        results = await asyncio.gather(*tasks)
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - start
         bar.close()
-    return list(results), duration
+    return results, duration
 
 
 async def bench(args: argparse.Namespace) -> list[dict]:
@@ -195,7 +226,8 @@ async def bench(args: argparse.Namespace) -> list[dict]:
         model = args.model or await resolve_model(client, url)
         target = Target(url, model, chat, args)
         prompts = await make_prompts(client, target, args)
-        warm = await target.request(client, BenchPrompt(prompts[0].prompt, min(4, prompts[0].output_len)))
+        first = first_request(prompts[0], chat)
+        warm = await target.request(client, BenchPrompt(first.prompt, min(4, first.output_len)))
         if not warm.success:
             raise RuntimeError(f"the test request failed: {warm.error}")
     runs = []
@@ -204,7 +236,7 @@ async def bench(args: argparse.Namespace) -> list[dict]:
             results, duration = await run_once(target, prompts, rate, concurrency, args.burstiness, args.seed,
                                                not args.disable_tqdm, args.timeout)
             res = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if chat else "openai",
-                   "url": url, "model_id": model, "num_prompts": len(prompts),
+                   "url": url, "model_id": model, "dataset_name": args.dataset_name, "num_prompts": len(prompts),
                    "request_rate": rate if math.isfinite(rate) else "inf", "burstiness": args.burstiness,
                    "max_concurrency": concurrency, "goodput_slo_ms": slo or None}
             res |= summarize(results, duration, slo)

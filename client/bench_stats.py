@@ -26,6 +26,9 @@ class RequestResult:
     latency: float = 0.0
     error: str = ""
     text: str = ""
+    cached_tokens: int | None = None
+    """Prompt tokens the server found in its prefix cache (its usage's
+    prompt_tokens_details.cached_tokens), if it says."""
 
     @property
     def tpot(self) -> float | None:
@@ -61,7 +64,11 @@ def summarize(results: list[RequestResult], duration: float, slo_ms: dict[str, f
         "request_goodput": good / duration if slo_ms else None,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
+        "prefix_cache_hit_rate": None,
     }
+    reported = [r for r in ok if r.cached_tokens is not None]
+    if reported and sum(r.prompt_len for r in reported):
+        out["prefix_cache_hit_rate"] = sum(r.cached_tokens for r in reported) / sum(r.prompt_len for r in reported)
     out |= _stats("ttft", [r.ttft for r in ok])
     out |= _stats("tpot", [r.tpot for r in ok if r.tpot is not None])
     out |= _stats("itl", [x for r in ok for x in r.itl])
@@ -90,6 +97,8 @@ def format_result(res: dict, title: str) -> str:
         row("Request goodput (req/s):", res["request_goodput"])
     row("Output token throughput (tok/s):", res["output_throughput"])
     row("Total Token throughput (tok/s):", res["total_token_throughput"])
+    if res.get("prefix_cache_hit_rate") is not None:
+        row("Prefix cache hit rate (%):", 100.0 * res["prefix_cache_hit_rate"])
     for key, name in METRICS.items():
         lines.append(f"{name:-^50}")
         short = key.upper()

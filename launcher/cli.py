@@ -107,6 +107,14 @@ def _add_bench_parser(sub) -> None:
                    help="requests/s, Poisson arrivals (default inf: all at once; several values: a sweep)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
+    p.add_argument("--dataset-name", choices=["random", "prefix-repetition", "prefix_repetition", "multi-turn"],
+                   default="random", help="random prompts; groups sharing a long prefix (--num-prefixes, "
+                   "--prefix-len, --suffix-len); or conversations of --num-turns turns, each resending its history "
+                   "plus a new question of --input-len tokens (--num-prompts conversations)")
+    p.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=int, default=4)
+    p.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=1024)
+    p.add_argument("--suffix-len", "--prefix-repetition-suffix-len", dest="suffix_len", type=int, default=128)
+    p.add_argument("--num-turns", type=int, default=8)
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
     p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
     p.add_argument("--dataset", "--dataset-path", dest="dataset", default=None, metavar="FILE.jsonl",
@@ -223,6 +231,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.api_key is None:
         args.api_key = api_key_from_environ()
+    args.dataset_name = args.dataset_name.replace("_", "-")  # vLLM spells it prefix_repetition
     return run(args)
 
 

@@ -15,7 +15,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 
 from bench_offline import make_prompts
 from meshserve.comm.messages import SamplingParams

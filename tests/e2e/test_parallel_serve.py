@@ -24,6 +24,8 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color."]
 @pytest.mark.slow
 @pytest.mark.parametrize("config,world", [("smollm2-tp3.yaml", 3), ("smollm2-pp2.yaml", 2)])
 def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, world):
+    """Greedy text equals transformers', and a second turn that resends the first (prefix
+    caching: its blocks are reused, on every rank) too."""
     from support.checkpoints import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
@@ -35,9 +37,14 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, 
     env = os.environ | {"OMP_NUM_THREADS": "2"}
     server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", str(REPO / "configs" / config),
                                "--set", f"server.zmq={address}", "--set", "model.max_model_len=512"], tmp_path, env=env)
+    # a second turn: the first question, its answer and a follow-up (it reuses the first's KV blocks)
+    turn = tok.encode("<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     try:
         ref = hf_model(smollm2)
         want = [hf_greedy(ref, p, 16) for p in prompts]
+        cut0 = want[0].index(2) + 1 if 2 in want[0] else len(want[0])
+        follow = prompts[0] + want[0][:cut0] + turn
+        want_follow = hf_greedy(ref, follow, 8)
         del ref
         line = server.wait_ready()
         assert f"world_size={world}" in line and address in line
@@ -51,10 +58,14 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, 
             assert f"OMP_NUM_THREADS=2 x {world} local ranks = {2 * world} threads on {cores} cores: capped" in log
         with Client(address, timeout=120) as client:
             got = [client.generate(p, max_tokens=16, temperature=0) for p in prompts]
+            second = client.generate(follow, max_tokens=8, temperature=0, ignore_eos=True)
         for w, g in zip(want, got):
             cut = w.index(2) + 1 if 2 in w else len(w)
             assert g.token_ids == w[:cut]
             assert g.text == tok.decode(w[:cut], skip_special_tokens=True)
+        assert second.token_ids == want_follow
+        # the first request computed its prompt and all but its last token: whole blocks of 16 of that
+        assert second.usage.cached_tokens == (len(prompts[0]) + cut0 - 1) // 16 * 16 > 0
         assert server.stop() == 0, server.tail()
         assert not server.group_alive()
     finally:

@@ -12,6 +12,7 @@ import pytest
 from meshserve.client.bench import endpoint_url, parse_slo
 from meshserve.client.bench_data import load_jsonl
 from meshserve.client.bench_stats import RequestResult, summarize
+from meshserve.client.bench_workloads import multi_turn, prefix_repetition
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs.model_info import read_model_info
 from meshserve.engine.serving.metrics import EngineMetrics, Roofline
@@ -33,6 +34,36 @@ def test_endpoint_url():
     assert endpoint_url("http://h:1", "/v1/completions") == "http://h:1/v1/completions"
     assert endpoint_url("http://h:1/", "/v1/chat/completions") == "http://h:1/v1/chat/completions"
     assert endpoint_url("http://h:1/v1/completions", "/v1/chat/completions") == "http://h:1/v1/completions"
+
+
+def test_prefix_repetition_groups_share_their_prefix():
+    prompts = prefix_repetition(np.random.default_rng(0), 10, 3, prefix_len=60, suffix_len=12, output_len=5,
+                                tokens_per_word=1.5)
+    prefixes = [p.prompt.split("\n")[0] for p in prompts]
+    assert len(prompts) == 10 and len(set(prefixes)) == 3
+    assert sorted(prefixes.count(x) for x in set(prefixes)) == [3, 3, 4]
+    assert all(len(x.split()) == 40 for x in prefixes) and all(p.output_len == 5 for p in prompts)
+    assert len({p.prompt for p in prompts}) == 10  # the questions differ
+
+
+def test_multi_turn_resends_the_history():
+    (conv,) = multi_turn(np.random.default_rng(0), 1, 3, input_len=20, output_len=4, tokens_per_word=2.0)
+    first = conv.turn(0, chat=True).prompt
+    assert first == [{"role": "user", "content": conv.questions[0]}] and len(conv.questions[0].split()) == 10
+    conv.answered(0, "an answer")
+    second = conv.turn(1, chat=True).prompt
+    assert second[:2] == [first[0], {"role": "assistant", "content": "an answer"}] and len(second) == 3
+    text = conv.turn(1, chat=False).prompt
+    assert text == f"User: {conv.questions[0]}\nAssistant: an answer\nUser: {conv.questions[1]}\nAssistant:"
+
+
+def test_summary_reports_the_hit_rate_when_the_server_does():
+    ok = [RequestResult(success=True, prompt_len=100, output_len=2, ttft=0.1, latency=0.2, itl=[0.1],
+                        cached_tokens=c) for c in (0, 64, 96)]
+    assert summarize(ok, 1.0, {})["prefix_cache_hit_rate"] == pytest.approx(160 / 300)
+    for r in ok:
+        r.cached_tokens = None
+    assert summarize(ok, 1.0, {})["prefix_cache_hit_rate"] is None
 
 
 def _result(ttft, latency, n, itl=None, ok=True):

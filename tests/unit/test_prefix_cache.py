@@ -10,7 +10,6 @@ import pytest
 
 from meshserve.comm.messages import SamplingParams
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.offline import generate
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.sequence import Sequence
 from support.engines import make_engine
