@@ -10,7 +10,7 @@ import pytest
 from meshserve.comm.messages import SamplingParams
 from meshserve.parallel.topology import Topology
 from support.dist import run_ranks
-from support.engine_ranks import run_engine
+from support.engine_ranks import assert_same, run_engine
 
 PROMPTS = [list(range(300, 341)), [1, 504, 3575], list(range(1000, 1100)), [7, 8, 9, 10, 11, 12, 13, 14, 15]]
 PARAMS = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5) for n in (12, 9, 7, 10)]
@@ -20,15 +20,6 @@ def engine_results(topology: Topology, overrides: list[str]):
     results = run_ranks(run_engine, topology, overrides, PROMPTS, PARAMS)
     assert all(r is None for r in results[1:])
     return results[0][0]
-
-
-def assert_same(got, want):
-    for g, w in zip(got, want):
-        assert g["token_ids"] == w["token_ids"]
-        for (gt, glp, gtop), (wt, wlp, wtop) in zip(g["logprobs"], w["logprobs"]):
-            assert gt == wt and abs(glp - wlp) < 1e-4
-            assert [t for t, _ in gtop] == [t for t, _ in wtop]
-            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(gtop, wtop))
 
 
 def base(path, budget):

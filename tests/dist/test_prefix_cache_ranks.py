@@ -11,7 +11,7 @@ import pytest
 from meshserve.comm.messages import SamplingParams
 from meshserve.parallel.topology import Topology
 from support.dist import run_ranks
-from support.engine_ranks import run_engine
+from support.engine_ranks import assert_same, run_engine
 
 FIRST = [list(range(300, 341)), list(range(1000, 1100))]
 FIRST_TOKENS = [12, 7]
@@ -67,14 +67,6 @@ def reference(tiny_checkpoints):
     first = results(Topology(), path, False, SECOND[:1])[:2]
     second = second_wave(first)
     return second, results(Topology(), path, False, second)
-
-
-def assert_same(got, want):
-    for g, w in zip(got, want):
-        assert g["token_ids"] == w["token_ids"]
-        for (gt, glp, gtop), (wt, wlp, wtop) in zip(g["logprobs"], w["logprobs"]):
-            assert gt == wt and abs(glp - wlp) < 1e-4
-            assert [t for t, _ in gtop] == [t for t, _ in wtop]
 
 
 @pytest.mark.parametrize("topology", [Topology(), Topology(cp_size=2), Topology(pp_size=2), Topology(tp_size=2)],

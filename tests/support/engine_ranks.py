@@ -42,3 +42,13 @@ def run_engine(groups, overrides: list[str], prompts: list[list[int]], params: l
     env = RankEnv(global_rank=groups.global_rank, world_size=groups.world_size, local_world_size=groups.world_size)
     run_in_world(config, info, plan_memory(config, info), env, mode, groups)
     return (mode.results, mode.stats) if groups.is_driver else None
+
+
+def assert_same(got, want):
+    """run_engine's results agree: the same greedy tokens, the same top-5 logprobs within 1e-4."""
+    for g, w in zip(got, want):
+        assert g["token_ids"] == w["token_ids"]
+        for (gt, glp, gtop), (wt, wlp, wtop) in zip(g["logprobs"], w["logprobs"]):
+            assert gt == wt and abs(glp - wlp) < 1e-4
+            assert [t for t, _ in gtop] == [t for t, _ in wtop]
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(gtop, wtop))
