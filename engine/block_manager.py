@@ -7,8 +7,12 @@ Every block is in exactly one of three states:
 - evictable: in no block table, but full and hashed (meshserve.engine.prefix_hash), so a
   later request with the same prefix takes it instead of computing it again.
 
-A sequence's full blocks are hashed and registered once their tokens are computed (prompt
-and output alike, so a preempted sequence finds its own blocks again). Released blocks
+A sequence's full blocks are hashed and registered as soon as a step is scheduled to fill
+them (prompt and output alike, so a preempted sequence finds its own blocks again). A
+request admitted in that same step can already start from them: every layer of every
+backend stores the step's K/V before any of its attention reads the cache, and later steps
+run after it on every rank. So requests that arrive together with a shared system prompt
+compute it once. Released blocks
 go to the back of the evictable queue, the last block of a sequence first, and are
 evicted from the front (least recently used) only when no free block is left. A partial
 block is never shared: a request that finds all its tokens cached still computes its last
@@ -131,10 +135,11 @@ class BlockManager:
             self.hit_tokens += seq.num_computed
         self.grow(seq, num_new)
 
-    def _register(self, seq: Sequence) -> None:
-        """Put `seq`'s newly computed full blocks in the cache (a block whose hash is already
-        there, with the same contents, stays outside it and is freed when released)."""
-        full = seq.num_computed // self.unit
+    def _register(self, seq: Sequence, upto: int) -> None:
+        """Put `seq`'s full blocks among its first `upto` tokens (those computed once the step
+        being scheduled has run) in the cache; a block whose hash is already there, with the
+        same contents, stays outside it and is freed when released."""
+        full = upto // self.unit
         if full * self.unit <= seq.num_registered:
             return
         hashes = self._hashes(seq)
@@ -169,8 +174,6 @@ class BlockManager:
     def computed(self, seq: Sequence, num_new: int) -> None:
         """Record that `num_new` more tokens of `seq` are in the cache."""
         seq.num_computed += num_new
-        if self.prefix_caching:
-            self._register(seq)
 
     def extra_blocks(self, seq: Sequence, num_new: int) -> int:
         """Blocks `seq` still needs to hold its computed tokens plus `num_new` more."""
@@ -184,6 +187,8 @@ class BlockManager:
         if n > self.num_free:
             raise RuntimeError(f"seq {seq.seq_id} needs {n} blocks, {self.num_free} free")
         seq.block_ids.extend(self._take() for _ in range(n))
+        if self.prefix_caching:
+            self._register(seq, seq.num_computed + num_new)
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references (last block first); its cache is empty again."""

@@ -10,6 +10,7 @@ import pytest
 
 from meshserve.comm.messages import SamplingParams
 from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.offline import generate
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.sequence import Sequence
 from support.engines import make_engine
@@ -62,6 +63,17 @@ def test_shared_system_prompt_and_multi_turn_match_transformers(tiny_checkpoints
     # the same prompt again: cached but for the block holding its last token (56 tokens: 13 blocks)
     assert turns[1] == (turns[0][0], 52)
     assert eng.scheduler.blocks.hit_tokens == 40 + 40 + 52 + 52
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny_checkpoints, hf):
+    """Admitted in the same step, the later requests start from the blocks the first is
+    scheduled to fill: each layer stores the step's K/V before it attends."""
+    eng = engine(tiny_checkpoints["llama"])
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    got = generate(eng, prompts, greedy(8))
+    assert eng.stats.steps == 8  # one prefill step for all three, then decodes
+    assert [c.usage.cached_tokens for c in got] == [0, 40, 40]
+    assert [c.token_ids for c in got] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
 def test_fully_cached_prompt_recomputes_only_its_last_block(tiny_checkpoints, hf):
@@ -145,7 +157,8 @@ def test_eviction_takes_free_blocks_first_then_the_least_recently_used():
     admitted(sched, c)
     # c takes a's first block from the cache, the last free block, then evicts a's second
     assert c.num_cached_tokens == 2 and c.block_ids[0] == 0 and set(c.block_ids[1:]) == {1, 2}
-    assert blocks.num_evictable == 0 and blocks.num_cached == 1 and blocks.ref_count(0) == 1
+    assert blocks.num_evictable == 0 and blocks.ref_count(0) == 1
+    assert blocks.num_cached == 1 + 2 + 1  # a's first block; b's two and c's second, scheduled to be filled
 
 
 def test_reset_forgets_cached_blocks_and_keeps_running_ones():
@@ -161,4 +174,5 @@ def test_reset_forgets_cached_blocks_and_keeps_running_ones():
     assert b.num_cached_tokens == 0
     sched.finish(a)
     sched.finish(b)
-    assert blocks.num_free == 8 and blocks.num_evictable == blocks.num_cached == 0
+    # what was scheduled after the reset is cached again: a's third block, b's two full ones
+    assert blocks.num_free == 8 and blocks.num_evictable == blocks.num_cached == 3

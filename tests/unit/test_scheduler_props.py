@@ -259,6 +259,7 @@ def simulate(sc: Scenario) -> Outcome:
         rank_plan = receive(enc.encode(plan))
         chunks = mirror.apply(rank_plan)
         assert [c.seq_id for c in chunks] == [s.seq_id for s in batch.seqs]
+        bs, written = sc.block_size, set()
         for c, seq, want_n in zip(chunks, batch.seqs, batch.num_new):
             sid, mseq = c.seq_id, c.seq
             assert c.num_new == want_n and mseq is mirror.seqs[sid]
@@ -268,13 +269,16 @@ def simulate(sc: Scenario) -> Outcome:
             assert c.start == seq.num_computed and mseq.num_computed == seq.num_computed + want_n
             assert c.owners is None and mseq.local_lens == [] and mseq.local_positions == []
             assert mseq.prompt_len == seq.prompt_len and mseq.params == seq.params
-            # what the step reads (a cached prefix included) is this sequence's, then it writes its chunk
-            bs = sc.block_size
-            slot = [mseq.block_ids[p // bs] * bs + p % bs for p in range(c.start + c.num_new)]
-            for p in range(c.start):
-                assert kv.get(slot[p]) == (p, mseq.token_ids[p]), f"seq {sid}: wrong K/V at position {p}"
+            # the step writes its chunk (every layer stores the whole step's K/V before it attends)
             for p in range(c.start, c.start + c.num_new):
-                kv[slot[p]] = (p, mseq.token_ids[p])
+                slot = mseq.block_ids[p // bs] * bs + p % bs
+                assert slot not in written, f"seq {sid}: slot {slot} written twice in one step"
+                written.add(slot)
+                kv[slot] = (p, mseq.token_ids[p])
+        for c in chunks:  # then what each chunk reads, its cached prefix included, is its own sequence's
+            for p in range(c.start):
+                slot = c.seq.block_ids[p // bs] * bs + p % bs
+                assert kv.get(slot) == (p, c.seq.token_ids[p]), f"seq {c.seq_id}: wrong K/V at position {p}"
         assert set(mirror.seqs) == {s.seq_id for s in live() if s.sent_tokens}, "rank holds stale or missing seqs"
 
         # --- the step "runs"; the sampling rank samples for seqs at the end of their tokens
