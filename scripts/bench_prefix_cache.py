@@ -134,6 +134,9 @@ def main() -> int:
                 for load, flags in loads.items():
                     runs.setdefault("vLLM", {}).setdefault(load, []).append(
                         bench(url, f"vLLM {load}", flags, seed, out_dir / f"vllm_{load}_{seed}.json"))
+        except (RuntimeError, subprocess.CalledProcessError) as e:  # meshserve's figures still stand
+            print(f"vLLM: {e}", file=sys.stderr)
+            runs.pop("vLLM", None)
         finally:
             server.stop()
 
