@@ -69,11 +69,13 @@ class Server:
                     frontend.accepting = False
                 deadline = time.monotonic() + drain_timeout
                 log.info("draining %d requests", self.engine.num_requests)
+            # NOTE: commands before the drain check: a request the frontend accepted before the
+            # stop is in the inbox, and is served like one already running.
+            for cmd in self._commands(block=not self.engine.has_work() and deadline is None):
+                self._handle(cmd)
             if deadline is not None and (not self.engine.has_work() or time.monotonic() > deadline
                                          or self.stop_now.is_set()):
                 break
-            for cmd in self._commands(block=not self.engine.has_work()):
-                self._handle(cmd)
             if self.engine.has_work():
                 try:
                     replies = self.engine.step()
@@ -84,6 +86,17 @@ class Server:
             delta = self.engine.abort(key)
             if delta is not None:
                 self.send(key, delta)
+        self._refuse_late_commands()
+
+    def _refuse_late_commands(self) -> None:
+        """Answer what reached the inbox after the last step (a prompt whose tokenizing ended
+        during the drain): the server stops, and no request goes unanswered."""
+        for cmd in self._commands(block=False):
+            if isinstance(cmd, AddCommand):
+                self.send(cmd.key, ErrorReply(cmd.request_id, "unavailable",
+                                              "the server is shutting down and accepts no new requests"))
+            elif isinstance(cmd, ResetPrefixCacheCommand):
+                cmd.done.set_result(self.engine.reset_prefix_cache())
 
     def _give_up(self, error: Exception) -> NoReturn:
         """The engine cannot go on: report it and wait for the failure reactions (which fail
