@@ -5,8 +5,8 @@ Workloads (SmolLM2-135M-Instruct):
 - multi-turn: 8 conversations at once, 8 turns each; a turn sends the whole history plus a
   question of --turn-len tokens and gets --turn-output tokens back (histories grow to about
   2,000 tokens), chat endpoint;
-- shared-prefix: 4 system prompts of 1,024 tokens, each request adds a 128-token question
-  (16 output tokens), 32 requests, concurrency 16 (vLLM's prefix_repetition);
+- shared-prefix: one system prompt of 1,024 tokens, each request adds a 128-token question
+  (16 output tokens), 48 requests, concurrency 16 (vLLM's prefix_repetition with one prefix);
 - no-sharing: random 512-token prompts, 64 output tokens, concurrency 8 (what the cache
   costs when nothing is shared).
 
@@ -44,8 +44,8 @@ def workloads(args) -> dict[str, list[str]]:
         "multi-turn": ["--endpoint", "/v1/chat/completions", "--dataset-name", "multi-turn", "--num-prompts", "8",
                        "--num-turns", "8", "--input-len", str(args.turn_len), "--output-len", str(args.turn_output),
                        "--max-concurrency", "8"],
-        "shared-prefix": ["--dataset-name", "prefix-repetition", "--num-prefixes", "4", "--prefix-len", "1024",
-                          "--suffix-len", "128", "--output-len", "16", "--num-prompts", "32", "--max-concurrency", "16"],
+        "shared-prefix": ["--dataset-name", "prefix-repetition", "--num-prefixes", "1", "--prefix-len", "1024",
+                          "--suffix-len", "128", "--output-len", "16", "--num-prompts", "48", "--max-concurrency", "16"],
         "no-sharing": ["--dataset-name", "random", "--input-len", "512", "--output-len", "64", "--num-prompts", "16",
                        "--max-concurrency", "8"],
     }

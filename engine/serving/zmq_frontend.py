@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import msgspec
 import zmq
@@ -39,6 +40,10 @@ MAX_REQUEST_BYTES = 16 << 20
 MAX_FRAME_BYTES = 256 << 20
 """ZeroMQ drops a connection that sends a frame larger than this (no reply is possible)."""
 TOKENIZER_THREADS = 1
+CLOSE_QUIET_S = 0.5
+"""On close, the router stays open until this long after its last reply: a socket closed
+right after a send can lose what its I/O thread had not yet written (seen under load,
+even with LINGER), and a client would wait for its final message in vain."""
 """One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
 threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
 
@@ -144,16 +149,13 @@ class ZmqFrontend:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        last_sent = 0.0
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(50))
                 self._send_failed()
-                if pull in events:
-                    while True:
-                        try:
-                            self._router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
+                if pull in events and self._forward(pull):
+                    last_sent = time.monotonic()
                 if self._router in events:
                     while True:
                         try:
@@ -163,13 +165,25 @@ class ZmqFrontend:
                         self._on_frames(frames, decoder)
         finally:
             self._send_failed()
-            while True:  # flush replies queued before the stop
-                try:
-                    self._router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
+            if self._forward(pull):  # replies queued before the stop
+                last_sent = time.monotonic()
+            while time.monotonic() - last_sent < CLOSE_QUIET_S:
+                time.sleep(0.05)
+                self._send_failed()
+                if self._forward(pull):
+                    last_sent = time.monotonic()
             pull.close(linger=0)
             self._router.close(linger=1000)
+
+    def _forward(self, pull: zmq.Socket) -> bool:
+        """Send what the step loop queued; whether there was anything."""
+        sent = False
+        while True:
+            try:
+                self._router.send_multipart(pull.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return sent
+            sent = True
 
     def _send_failed(self) -> None:
         while True:
