@@ -10,6 +10,12 @@ Workloads (SmolLM2-135M-Instruct):
 - no-sharing: random 512-token prompts, 64 output tokens, concurrency 8 (what the cache
   costs when nothing is shared).
 
+Every server runs with the same token budget per step, --max-batched-tokens (default 256;
+meshserve's scheduler.max_batched_tokens, vLLM's --max-num-batched-tokens). Both default to
+2,048 tokens, a step of about 5 s on 2 CPU cores: every request admitted in such a step gets
+its first token only when the whole step ends, which hides most of what the cache saves in
+TTFT (2-2.5x instead of 4-18x here); 256 tokens is under a second and costs no throughput.
+
 Both meshserve servers (cache.prefix_caching true and false) stay up; every repetition runs
 each workload on each server in turn, after POST /reset_prefix_cache, with the repetition's
 seed (the same prompts for every server). Prints the medians over --repeats: TTFT p50,
@@ -78,7 +84,8 @@ def meshserve_server(caching: bool, args, out_dir: Path) -> Served:
     return Served(f"meshserve-cache-{'on' if caching else 'off'}", [
         sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
         "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", "--set", f"cache.prefix_caching={str(caching).lower()}",
-        "--set", "model.max_model_len=4096", *[a for o in args.overrides for a in ("--set", o)]],
+        "--set", "model.max_model_len=4096", "--set", f"scheduler.max_batched_tokens={args.max_batched_tokens}",
+        *[a for o in args.overrides for a in ("--set", o)]],
         out_dir / f"meshserve_cache_{'on' if caching else 'off'}.log")
 
 
@@ -88,7 +95,7 @@ def vllm_server(args, port: int, out_dir: Path) -> Served:
     python = str(Path(args.vllm) / "bin" / "python")
     return Served("vllm", [python, str(args.vllm_cli), "serve", str(args.vllm_model), "--dtype", args.vllm_dtype,
                            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-                           "--enable-prompt-tokens-details", "--served-model-name", "smollm2-135m-instruct"],
+                           "--max-num-batched-tokens", str(args.max_batched_tokens), "--enable-prompt-tokens-details", "--served-model-name", "smollm2-135m-instruct"],
                   out_dir / "vllm.log", env=env)
 
 
@@ -98,6 +105,8 @@ def main() -> int:
     p.add_argument("--workloads", nargs="+", default=["multi-turn", "shared-prefix", "no-sharing"])
     p.add_argument("--turn-len", type=int, default=216, help="tokens of each multi-turn question")
     p.add_argument("--turn-output", type=int, default=32, help="tokens of each multi-turn answer")
+    p.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="tokens per step, for every server (meshserve's and vLLM's default: 2048)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="meshserve config override for both servers (repeatable)")
     p.add_argument("--vllm", default=None, metavar="VENV", help="also measure vLLM's CPU build from this venv")
@@ -142,7 +151,8 @@ def main() -> int:
 
     table = {name: {load: medians(rs) for load, rs in by_load.items()} for name, by_load in runs.items()}
     print(f"\nSmolLM2-135M-Instruct, medians of {args.repeats} runs; meshserve config: "
-          f"{' '.join(args.overrides) or 'default'}; vLLM: {args.vllm_dtype}, threads bind {args.vllm_threads_bind}")
+          f"max_batched_tokens={args.max_batched_tokens} {' '.join(args.overrides)}; vLLM: {args.vllm_dtype}, threads bind "
+          f"{args.vllm_threads_bind}, --max-num-batched-tokens {args.max_batched_tokens}")
     print(f"{'workload':<15}{'server':<12}{'TTFT p50 ms':>12}{'out tok/s':>11}{'TPOT p50 ms':>12}{'hit rate':>10}"
           f"{'failed':>8}")
     for load in loads:
@@ -166,7 +176,8 @@ def main() -> int:
                      f"{ratios[load]['vs_vllm_ttft_p50']:.2f}x lower")
         print(line)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    (out_dir / "summary.json").write_text(json.dumps({"cpu": cpu, "repeats": args.repeats, "overrides": args.overrides,
+    (out_dir / "summary.json").write_text(json.dumps({"cpu": cpu, "repeats": args.repeats, "max_batched_tokens": args.max_batched_tokens,
+                                                      "overrides": args.overrides,
                                                       "workloads": loads, "medians": table, "ratios": ratios},
                                                      indent=1))
     print(f"\nwrote {out_dir}/", file=sys.stderr)
