@@ -95,8 +95,8 @@ class Server:
             if isinstance(cmd, AddCommand):
                 self.send(cmd.key, ErrorReply(cmd.request_id, "unavailable",
                                               "the server is shutting down and accepts no new requests"))
-            elif isinstance(cmd, ResetPrefixCacheCommand):
-                cmd.done.set_result(self.engine.reset_prefix_cache())
+            else:
+                self._handle(cmd)
 
     def _give_up(self, error: Exception) -> NoReturn:
         """The engine cannot go on: report it and wait for the failure reactions (which fail

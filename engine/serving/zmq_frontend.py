@@ -40,12 +40,12 @@ MAX_REQUEST_BYTES = 16 << 20
 MAX_FRAME_BYTES = 256 << 20
 """ZeroMQ drops a connection that sends a frame larger than this (no reply is possible)."""
 TOKENIZER_THREADS = 1
+"""One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
+threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
 CLOSE_QUIET_S = 0.5
 """On close, the router stays open until this long after its last reply: a socket closed
 right after a send can lose what its I/O thread had not yet written (seen under load,
 even with LINGER), and a client would wait for its final message in vain."""
-"""One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
-threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
 
 
 class _RequestId(msgspec.Struct):
