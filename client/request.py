@@ -11,12 +11,13 @@ from typing import Any
 
 import msgspec
 
-from meshserve.comm.messages import GenerateRequest, SamplingParams
+from meshserve.comm.messages import GenerateRequest, SamplingParams, StructuredOutputs
 
-PARAMS = (*SamplingParams.__struct_fields__, "cache_salt")
-"""The keywords `generate` takes beyond the prompt: max_tokens, temperature, top_p, top_k,
-seed, stop, stop_token_ids, min_tokens, ignore_eos, logprobs, skip_special_tokens, and
-cache_salt (the request shares cached KV blocks only with requests of the same salt)."""
+PARAMS = (*SamplingParams.__struct_fields__, "cache_salt", "structured_outputs")
+"""The keywords `generate` takes beyond the prompt: SamplingParams' fields (max_tokens,
+temperature, top_p, top_k, seed, stop, ...), cache_salt (the request shares cached KV blocks
+only with requests of the same salt) and structured_outputs (a StructuredOutputs, or a dict
+of its fields: json, regex, choice, grammar or json_object)."""
 
 _PATH = re.compile(r" - at `\$\.(\w+)[^`]*`$")
 
@@ -33,6 +34,15 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
     salt = params.pop("cache_salt", None)
     if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= 256):
         raise ValueError(f"{caller}(): cache_salt: a string of 1 to 256 characters, got {salt!r:.80}")
+    structured = params.pop("structured_outputs", None)
+    if isinstance(structured, dict):
+        try:
+            structured = msgspec.convert(structured, StructuredOutputs)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"{caller}(): structured_outputs: {e}") from None
+    elif structured is not None and not isinstance(structured, StructuredOutputs):
+        raise TypeError(f"{caller}(): structured_outputs is a StructuredOutputs or a dict, "
+                        f"got {type(structured).__name__}")
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     try:
@@ -42,8 +52,10 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
         raise ValueError(f"{caller}(): {m.group(1) + ': ' if m else ''}{_PATH.sub('', str(e))}") from None
     rid = request_id or uuid.uuid4().hex
     if isinstance(prompt, str):
-        return GenerateRequest(rid, prompt=prompt, params=sampling, stream=stream, cache_salt=salt)
+        return GenerateRequest(rid, prompt=prompt, params=sampling, stream=stream, cache_salt=salt,
+                               structured_outputs=structured)
     if not isinstance(prompt, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise TypeError(f"{caller}(): the prompt is a string or a sequence of token ids (ints), "
                         f"got {type(prompt).__name__}")
-    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=sampling, stream=stream, cache_salt=salt)
+    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=sampling, stream=stream, cache_salt=salt,
+                           structured_outputs=structured)

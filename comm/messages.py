@@ -11,7 +11,7 @@ error for that frame only.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
@@ -34,6 +34,13 @@ SEED = Meta(ge=0, le=(1 << 63) - 1)
 LOGPROBS = Meta(ge=0, le=MAX_LOGPROBS)
 STOP_STRINGS = Meta(max_length=MAX_STOP_STRINGS)
 STOP_TOKEN_IDS = Meta(max_length=64)
+PENALTY = Meta(ge=-2.0, le=2.0)
+"""OpenAI's presence_penalty and frequency_penalty."""
+REPETITION_PENALTY = Meta(gt=0.0, le=100.0)
+LOGIT_BIAS = Meta(ge=-100.0, le=100.0)
+MAX_LOGIT_BIAS = 1024
+"""Entries of one request's logit_bias."""
+MIN_P = Meta(ge=0.0, le=1.0)
 
 NonNegInt = Annotated[int, COUNT]
 TokenId = Annotated[int, COUNT]
@@ -56,10 +63,44 @@ class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     logprobs: Annotated[int, LOGPROBS] | None = None
     """None: no logprobs; n >= 0: the sampled token's logprob plus the top n."""
     skip_special_tokens: bool = True
+    presence_penalty: Annotated[float, PENALTY] = 0.0
+    """Subtracted from the logit of every token the output already holds (OpenAI's)."""
+    frequency_penalty: Annotated[float, PENALTY] = 0.0
+    """Subtracted from a token's logit once per time the output already holds it (OpenAI's)."""
+    repetition_penalty: Annotated[float, REPETITION_PENALTY] = 1.0
+    """vLLM's (CTRL's): the logit of a token in the prompt or the output is divided by it if
+    positive, multiplied if negative. 1 is off."""
+    logit_bias: Annotated[list[tuple[TokenId, Annotated[float, LOGIT_BIAS]]], Meta(max_length=MAX_LOGIT_BIAS)] = []
+    """(token id, bias) pairs added to the logits (OpenAI's logit_bias)."""
+    min_p: Annotated[float, MIN_P] = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's. 0 is off."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: the stop string that ended the request stays in its text."""
+    prompt_logprobs: Annotated[int, LOGPROBS] | None = None
+    """vLLM's: each prompt token's logprob given the tokens before it, plus the top n. A
+    request that asks for them computes its whole prompt (no prefix cache hits)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_CONSTRAINT_CHARS = 64 << 10
+"""Characters of one structured-output constraint (a schema, a regex, a grammar)."""
+MAX_CHOICES = 1024
+
+
+class StructuredOutputs(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What the output must match (vLLM's `structured_outputs`): exactly one of these."""
+
+    json: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] | dict[str, Any] | None = None
+    """A JSON schema (an object, or its JSON text)."""
+    regex: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] | None = None
+    choice: Annotated[list[Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)]], Meta(max_length=MAX_CHOICES)] | None = None
+    grammar: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] | None = None
+    """An EBNF grammar (xgrammar's dialect of GBNF; the start rule is `root`)."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format json_object)."""
 
 
 # ---------------------------------------------------------------- client protocol
@@ -74,6 +115,8 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     """Share cached KV blocks only with requests of the same salt (vLLM's extension), so one
     tenant cannot learn another's prompts from how fast its own are answered."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the output (engine/structured.py)."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -90,6 +133,8 @@ class TokenLogprob(Struct, array_like=True, frozen=True):
     logprob: float
     top: list[tuple[int, float]]
     """The top-n alternatives, most likely first, as (token_id, logprob)."""
+    rank: int | None = None
+    """The token's rank in the vocabulary (1: the most likely), where it is known (prompt logprobs)."""
 
 
 class Usage(Struct, frozen=True):
@@ -110,6 +155,8 @@ class Delta(Struct, tag="delta", frozen=True):
     usage: Usage | None = None
     stop_reason: str | int | None = None
     """The stop string or token id that ended the request, if one did."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """In the request's first delta, if its params asked: one per prompt token, the first None."""
 
 
 class Completion(Struct):
@@ -122,8 +169,11 @@ class Completion(Struct):
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: Delta) -> "Completion":
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.token_ids = self.token_ids + delta.token_ids
         if delta.logprobs:
@@ -171,6 +221,16 @@ class SeqDelta(Struct, array_like=True, frozen=True):
     num_new: int
 
 
+class TokenMasks(Struct, array_like=True, frozen=True):
+    """The tokens each constrained sequence may sample this step (engine/structured.py):
+    one row of `words` int32 per sequence, bit j of word w allowing token 32 * w + j
+    (xgrammar's layout), little-endian."""
+
+    seq_ids: list[int]
+    words: int
+    bits: bytes
+
+
 class StepPlan(Struct, frozen=True, tag="plan"):
     """One engine step. Batch order: `running`, then `new`. `dropped` lists sequences the
     ranks should forget (finished, aborted or preempted) before running this step."""
@@ -179,6 +239,8 @@ class StepPlan(Struct, frozen=True, tag="plan"):
     running: list[SeqDelta]
     new: list[NewSeq]
     dropped: list[int]
+    masks: TokenMasks | None = None
+    """Grammar masks of the constrained sequences this step samples (None: none is)."""
 
     @property
     def num_seqs(self) -> int:
@@ -208,6 +270,15 @@ class Ready(Struct, frozen=True, tag="ready"):
 ControlMessage = Union[StepPlan, Shutdown, Hello]
 
 
+class PromptLogprobs(Struct, array_like=True, frozen=True):
+    """The logprobs of a run of one sequence's prompt tokens, computed in one step."""
+
+    seq_id: int
+    start: int
+    """The position of the first token they are of (>= 1: the first prompt token has none)."""
+    logprobs: list[TokenLogprob]
+
+
 class StepResult(Struct, frozen=True, tag="result"):
     """Tokens sampled in one step, for the sequences whose known tokens were all computed."""
 
@@ -215,6 +286,9 @@ class StepResult(Struct, frozen=True, tag="result"):
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] | None = None
+    """For the sequences that asked (SamplingParams.prompt_logprobs) and computed prompt
+    tokens in this step."""
 
 
 class RankStats(Struct, frozen=True, tag="stats"):

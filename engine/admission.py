@@ -24,6 +24,10 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
     if bad:
         raise RequestError("bad_request", f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})",
                            "stop_token_ids")
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise RequestError("bad_request", f"logit_bias token ids {bad[:5]} are outside the vocabulary (size "
+                                          f"{vocab_size})", "logit_bias")
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Hashable, Protocol
 
 import msgspec
 
-from meshserve.comm.messages import Delta, NewSeq, SamplingParams, encoder
+from meshserve.comm.messages import Delta, NewSeq, PromptLogprobs, SamplingParams, encoder
 from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.schema import SchedulerConfig
 from meshserve.engine.block_manager import BlockManager
@@ -21,6 +21,7 @@ from meshserve.engine.output import OutputProcessor, RequestState
 from meshserve.engine.plan import PlanBuilder
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler
 from meshserve.engine.sequence import Sequence
+from meshserve.engine.structured import Grammar, GuidedDecoding
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.admission import RequestError
 from meshserve.parallel.pipeline import MicroBatches
@@ -74,6 +75,7 @@ class Engine:
         self.executor = executor
         self._in_flight: MicroBatches[InFlight] = MicroBatches(micro_batches)
         self.vocab_size = vocab_size
+        self.cp_size = cp_size
         self.tokenizer = tokenizer
         self.memory = memory
         # the KV of a block depends on its tokens, the model and what the cache holds
@@ -83,6 +85,8 @@ class Engine:
                                    scheduler.max_num_seqs, scheduler.max_batched_tokens)
         self.plans = PlanBuilder()
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, memory.max_model_len)
+        self.guided = GuidedDecoding(vocab_size)
+        """Matchers of the requests with structured outputs (engine/structured.py)."""
         self.requests: dict[Hashable, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
         self._next_seq_id = 0
@@ -98,11 +102,16 @@ class Engine:
         return self.scheduler.has_work() or bool(self._in_flight)
 
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stream: bool = True, cache_salt: str | None = None) -> None:
+                    stream: bool = True, cache_salt: str | None = None, grammar: Grammar | None = None) -> None:
         """Queue a validated request. `key` is unique among live requests. `cache_salt`: the
-        request shares cached KV blocks only with requests of the same salt."""
+        request shares cached KV blocks only with requests of the same salt. `grammar`: the
+        compiled constraint its output follows (engine/structured.py)."""
         if key in self.requests:
             raise RequestError("duplicate_id", f"request_id {request_id!r} is already running")
+        if params.prompt_logprobs is not None and self.cp_size > 1:
+            raise RequestError("bad_request", f"prompt_logprobs is not available with context parallelism "
+                                              f"(this server splits each prompt over {self.cp_size} ranks)",
+                               "prompt_logprobs")
         try:  # what a plan will carry of it: a request the ranks cannot be sent fails here, alone
             self._encoder.encode(NewSeq(self._next_seq_id, prompt_ids, len(prompt_ids), [], 0, 0, params))
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
@@ -110,7 +119,11 @@ class Engine:
         seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params,
                        cache_salt=cache_salt)
         self._next_seq_id += 1
+        if grammar is not None:
+            self.guided.add(seq.seq_id, grammar)
         state = RequestState(seq, request_id, stream, self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_ids)
         self.requests[key] = state
         self._by_seq[seq.seq_id] = state
         self.scheduler.add(seq)
@@ -134,6 +147,8 @@ class Engine:
         result = self.executor.wait(done.handle)
         executed = time.perf_counter()
         sampled = dict(zip(result.seq_ids, result.token_ids))
+        for run in result.prompt_logprobs or ():
+            self._add_prompt_logprobs(run)
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
         out: list[tuple[Hashable, Delta]] = []
         context_lens = [s.num_computed + n for s, n in zip(done.batch.seqs, done.batch.num_new)]
@@ -141,7 +156,8 @@ class Engine:
             state = self._by_seq[seq.seq_id]
             if self.observer is not None:
                 self.observer.on_token(seq)
-            delta = self.outputs.on_token(state, logprobs.get(seq.seq_id))
+            ended = self.guided.accept(seq.seq_id, seq.token_ids[-1]) if self.guided else False
+            delta = self.outputs.on_token(state, logprobs.get(seq.seq_id), ended)
             if state.finish_reason is not None:
                 self._finish(state)
             if delta is not None:
@@ -153,6 +169,14 @@ class Engine:
         if self.observer is not None:
             self.observer.on_step(done.batch, context_lens, end - start)
         return out
+
+    def _add_prompt_logprobs(self, run: PromptLogprobs) -> None:
+        """Keep a run of prompt logprobs by position (a prompt recomputed after preemption
+        computes them again: the same values, in the same slots)."""
+        state = self._by_seq.get(run.seq_id)
+        if state is None:  # aborted while the step ran
+            return
+        state.prompt_logprobs[run.start:run.start + len(run.logprobs)] = run.logprobs
 
     def _fill(self) -> None:
         """Schedule and submit steps until every micro-batch is in flight or nothing is left."""
@@ -167,7 +191,11 @@ class Engine:
                 self.plans.forget(seq)
             if not len(batch):  # no plan: the dropped ids wait for the next one
                 return
-            plan = self.plans.build(batch)
+            masks = None
+            if self.guided:  # the constrained sequences this step samples: all known tokens computed
+                masks = self.guided.masks([s.seq_id for s, n in zip(batch.seqs, batch.num_new)
+                                           if s.num_computed + n == s.num_tokens])
+            plan = self.plans.build(batch, masks)
             self.stats.schedule_seconds += time.perf_counter() - started
             self._in_flight.push(InFlight(batch, self.executor.submit(plan)), (s.seq_id for s in batch.seqs))
 
@@ -177,6 +205,7 @@ class Engine:
         self.plans.forget(seq)
         del self.requests[seq.key]
         del self._by_seq[seq.seq_id]
+        self.guided.drop(seq.seq_id)
         self.stats.finished += 1
         if self.observer is not None:
             self.observer.on_finished(state)

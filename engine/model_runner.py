@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.comm.collectives import recv_from_prev_stage, reduce_from_tp
-from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult
+from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult, TokenMasks
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.compiled_decode import CompiledDecode
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
+from meshserve.layers import prompt_logprobs
 from meshserve.layers.loader import build_model
+from meshserve.layers.prompt_logprobs import PromptSpan
 from meshserve.layers.sampler import Sampler, SamplingRow
 from meshserve.parallel.context import rank_share
 from meshserve.parallel.context_attention import CPSeqStep, build_cp_metadata
@@ -62,6 +64,8 @@ class StepInputs:
     """Rows of the flat batch whose hidden state is sampled (last token of a finished chunk)."""
     sample_seq_ids: list[int]
     sampling: list[SamplingRow]
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
+    """Rows whose next-token logprobs a sequence's prompt_logprobs asked for."""
     cp_relay: list[int] = field(default_factory=list)
     """Context parallelism: sampled tokens that another rank of the group computed (the last
     token of a split chunk is its owner's); per token, its row on this rank if this rank
@@ -121,6 +125,11 @@ class ModelRunner:
         inputs = StepInputs(None, None, None, [], [], [])  # type: ignore[arg-type]
         for c in batch:
             end = c.start + c.num_new
+            if c.seq.params.prompt_logprobs is not None:
+                span = prompt_logprobs.prompt_span(c.seq_id, len(ids), c.start, c.num_new, c.seq.token_ids,
+                                                   c.seq.prompt_len, c.seq.params.prompt_logprobs)
+                if span is not None:
+                    inputs.prompt_spans.append(span)
             ids.extend(c.seq.token_ids[c.start:end])
             positions.extend(range(c.start, end))
             query_lens.append(c.num_new)
@@ -184,7 +193,19 @@ class ModelRunner:
     def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: MirrorSeq) -> None:
         inputs.sample_rows.append(row)
         inputs.sample_seq_ids.append(seq_id)
-        inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids), seq.prompt_len))
+        inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids), seq.prompt_len, seq.token_ids))
+
+    @staticmethod
+    def _grammar_masks(masks: TokenMasks | None, seq_ids: list[int],
+                       device: torch.device) -> tuple[torch.Tensor | None, list[int] | None]:
+        """The plan's grammar masks as an int32 (k, words) tensor, and the sampled row each
+        one applies to (engine/structured.py)."""
+        if masks is None:
+            return None, None
+        row_of = {s: i for i, s in enumerate(seq_ids)}
+        bits = torch.frombuffer(bytearray(masks.bits), dtype=torch.int32).view(len(masks.seq_ids), masks.words)
+        keep = [k for k, s in enumerate(masks.seq_ids) if s in row_of]
+        return bits[keep].to(device), [row_of[masks.seq_ids[k]] for k in keep]
 
     def busy_seconds(self) -> float:
         """Time computing this rank's shard: the forward and sampling, less the waits for
@@ -221,12 +242,18 @@ class ModelRunner:
         forwarded = time.perf_counter()
         self.stats.prepare_seconds += prepared - start
         self.stats.forward_seconds += forwarded - prepared
-        if not inputs.sample_rows or self.model.lm_head is None:
-            return StepResult(plan.step_id, [], []) if self.sampler else None
+        if self.model.lm_head is None:  # not the last pipeline stage
+            return None
+        prompt = None
+        if inputs.prompt_spans:
+            prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_spans)
+        if not inputs.sample_rows:
+            return StepResult(plan.step_id, [], [], prompt_logprobs=prompt) if self.sampler else None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         result = None
         if self.sampler is not None:
-            tokens, logprobs = self.sampler(logits, inputs.sampling)
-            result = StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs)
+            bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, logits.device)
+            tokens, logprobs = self.sampler(logits, inputs.sampling, bitmask, mask_rows)
+            result = StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs, prompt)
         self.stats.sample_seconds += time.perf_counter() - forwarded
         return result

@@ -24,12 +24,20 @@ class RequestState:
     sent_logprobs: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """SamplingParams.prompt_logprobs: one per prompt token (the first None), filled as the
+    prompt is computed, sent with the first delta after it is whole."""
+    sent_prompt_logprobs: bool = False
 
     @property
     def holdback(self) -> int:
-        """Characters kept back while streaming: a stop string may be starting there."""
-        stops = self.seq.params.stop
-        return max(len(s) for s in stops) - 1 if stops else 0
+        """Characters kept back while streaming: a stop string may be starting there. With
+        include_stop_str_in_output, none: a match ends in the newest characters, so the
+        text before them stays whatever matches."""
+        params = self.seq.params
+        if not params.stop or params.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in params.stop) - 1
 
 
 class OutputProcessor:
@@ -37,9 +45,10 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def on_token(self, state: RequestState, logprob: TokenLogprob | None) -> Delta | None:
+    def on_token(self, state: RequestState, logprob: TokenLogprob | None, grammar_done: bool = False) -> Delta | None:
         """Account for the token just appended to `state.seq`; decide whether it finishes
-        the request; return what the client should receive now (None: nothing yet)."""
+        the request; return what the client should receive now (None: nothing yet).
+        `grammar_done`: the request's structured-output constraint admits nothing more."""
         seq, params = state.seq, state.seq.params
         token = seq.token_ids[-1]
         if logprob is not None:
@@ -54,6 +63,8 @@ class OutputProcessor:
             state.text += state.detokenizer.step(token)
             if may_stop and params.stop:
                 self._check_stop_strings(state, before)
+        if state.finish_reason is None and grammar_done:
+            state.finish_reason = "stop"
         if state.finish_reason is None and (seq.num_output_tokens >= params.max_tokens
                                             or seq.num_tokens >= self.max_model_len):
             state.finish_reason = "length"
@@ -68,7 +79,8 @@ class OutputProcessor:
                 hits.append((at, stop))
         if hits:
             at, stop = min(hits)
-            state.text = state.text[:at]
+            keep = at + len(stop) if state.seq.params.include_stop_str_in_output else at
+            state.text = state.text[:keep]
             state.finish_reason, state.stop_reason = "stop", stop
 
     def abort(self, state: RequestState) -> Delta:
@@ -85,8 +97,11 @@ class OutputProcessor:
             return None
         text = state.text[state.sent_chars:end]
         logprobs = state.logprobs[state.sent_logprobs:] if state.logprobs else None
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.sent_prompt_logprobs:
+            prompt_logprobs, state.sent_prompt_logprobs = state.prompt_logprobs, True
         state.sent_chars, state.sent_tokens, state.sent_logprobs = end, state.seq.num_output_tokens, len(state.logprobs)
         seq = state.seq
         usage = Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens) if done else None
         return Delta(state.request_id, text, tokens, state.finish_reason if done else None, logprobs, usage,
-                     state.stop_reason if done else None)
+                     state.stop_reason if done else None, prompt_logprobs)

@@ -6,7 +6,7 @@ sequence the ranks do not know (new, or resumed after preemption) is sent whole.
 
 from __future__ import annotations
 
-from meshserve.comm.messages import NewSeq, SeqDelta, StepPlan
+from meshserve.comm.messages import NewSeq, SeqDelta, StepPlan, TokenMasks
 from meshserve.engine.scheduler import ScheduledBatch
 from meshserve.engine.sequence import Sequence
 
@@ -22,8 +22,9 @@ class PlanBuilder:
             self._dropped.append(seq.seq_id)
         seq.sent_tokens = seq.sent_blocks = 0
 
-    def build(self, batch: ScheduledBatch) -> StepPlan:
-        """Call `forget` for the batch's preempted sequences first."""
+    def build(self, batch: ScheduledBatch, masks: TokenMasks | None = None) -> StepPlan:
+        """Call `forget` for the batch's preempted sequences first. `masks`: the grammar masks
+        of the constrained sequences the step samples."""
         running: list[SeqDelta] = []
         new: list[NewSeq] = []
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -34,7 +35,7 @@ class PlanBuilder:
                 new.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len, list(seq.block_ids),
                                   seq.num_computed, n, seq.params))
             seq.sent_tokens, seq.sent_blocks = seq.num_tokens, len(seq.block_ids)
-        plan = StepPlan(self._step_id, running, new, self._dropped)
+        plan = StepPlan(self._step_id, running, new, self._dropped, masks)
         self._step_id += 1
         self._dropped = []
         return plan

@@ -81,7 +81,8 @@ class Scheduler:
         while (not batch.preempted and self.waiting and budget > 0 and len(batch) < cap
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            cached = self.blocks.match(seq)
+            # a request that asks for prompt logprobs computes its whole prompt: they come from it
+            cached = self.blocks.match(seq) if seq.params.prompt_logprobs is None else []
             n = min(seq.num_tokens - len(cached) * self.blocks.unit, budget)
             if not self.blocks.can_admit(seq, cached, n):
                 break

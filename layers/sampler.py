@@ -7,16 +7,23 @@ compiler) they sample in torch ops with the exponential-race trick (argmax of p 
 E ~ Exp(1), as gpt-fast's `multinomial_sample_one_no_sync`), one argmax and no host sync.
 A seeded row draws its randomness from a generator seeded by (seed, sequence length): the
 same request with the same seed samples the same tokens whatever else shares its batch.
+
+Before any of that, in place: min_tokens bans the stop tokens, the logprobs are taken (raw,
+as vLLM's default), then a grammar's token mask, logit_bias, the penalties and min_p
+(layers/logits_processors.py). A batch where no row uses these pays one pass over its rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from meshserve.comm.messages import SamplingParams, TokenLogprob
 from meshserve.layers.kernels import cpu_library
+from meshserve.layers.logits_processors import (apply_processors, apply_token_bitmask, check_bitmask,
+                                                uses_processors)
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -27,6 +34,9 @@ class SamplingRow:
     num_tokens: int
     """Length of the sequence before the sampled token is appended."""
     prompt_len: int
+    token_ids: list[int]
+    """The sequence's prompt and output so far (its first num_tokens): the caller's list,
+    not a copy, read by the penalties."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -60,11 +70,27 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None] | None]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None,
+                 bitmask_rows: Sequence[int] | torch.Tensor | None = None
+                 ) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """One token per row of `logits` (modified in place), and the logprobs the rows ask
+        for, taken before the mask, logit_bias and penalties. `bitmask`: a grammar's allowed
+        tokens, int32 (k, ceil(vocab_size / 32)) in xgrammar's layout, for the rows
+        `bitmask_rows` of `logits`. A -inf logit is never drawn while its row has a finite
+        one; a masked row left with none takes the argmax of its logits as given (the
+        model's choice, over the grammar and min_tokens)."""
         # logits: (num_rows, vocab_size) float32
+        mask_rows = None
+        if bitmask is not None and bitmask.shape[0]:
+            mask_rows = check_bitmask(bitmask, bitmask_rows, logits.shape[0]).to(logits.device)
+            fallback = argmax(logits)[mask_rows]  # every row's: cheaper than copying the masked ones
         self._apply_min_tokens(logits, rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if mask_rows is not None:
+            apply_token_bitmask(logits, bitmask, mask_rows, fallback)
+        if any(uses_processors(r.params) for r in rows):
+            apply_processors(logits, rows)
         if all(r.params.greedy for r in rows):
             tokens = argmax(logits)
         else:

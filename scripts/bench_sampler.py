@@ -49,7 +49,7 @@ def model_logits(batch: int) -> torch.Tensor:
 
 def time_sampler(logits: torch.Tensor, params: SamplingParams, repeats: int) -> float:
     sampler = Sampler((2,), seed=0)
-    rows = [SamplingRow(params, 100 + i, 50) for i in range(len(logits))]
+    rows = [SamplingRow(params, 100 + i, 50, [0] * (100 + i)) for i in range(len(logits))]
     for _ in range(3):
         sampler(logits.clone(), rows)
     times = []

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from meshserve.comm.messages import SamplingParams
+from meshserve.engine.structured import Grammar
 
 
 class RequestKey(NamedTuple):
@@ -34,6 +35,8 @@ class AddCommand:
     params: SamplingParams
     stream: bool
     cache_salt: str | None = None
+    grammar: Grammar | None = None
+    """The compiled structured-output constraint, if the request has one."""
 
 
 @dataclass(frozen=True)

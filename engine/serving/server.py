@@ -161,7 +161,8 @@ class Server:
                 raise RequestError("overloaded", f"{tokens} prompt tokens are waiting and this request adds "
                                                  f"{len(cmd.prompt_ids)} (scheduler.max_waiting_tokens="
                                                  f"{self.max_waiting_tokens}); retry later")
-            self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt)
+            self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt,
+                                    cmd.grammar)
         except RequestError as e:
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))
 

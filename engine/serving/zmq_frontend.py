@@ -30,6 +30,7 @@ from meshserve.comm.messages import (AbortRequest, Delta, ErrorCode, ErrorReply,
                                      client_decoder, encoder)
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
 from meshserve.engine.serving.tokenize_pool import TokenizePool
+from meshserve.engine.structured import GrammarCompiler, spec_from_message
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.admission import RequestError, admit_prompt, check_admissible, prompt_source
 
@@ -59,9 +60,11 @@ class ZmqFrontend:
     tag = "zmq"
 
     def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 secret: str | None = None, curve: bool = False):
-        """`curve`: CURVE-encrypt client connections with keys derived from `secret`."""
+                 secret: str | None = None, curve: bool = False, grammars: GrammarCompiler | None = None):
+        """`curve`: CURVE-encrypt client connections with keys derived from `secret`.
+        `grammars`: compiles structured-output constraints (one is made if not given)."""
         self.address = address
+        self.grammars = grammars or GrammarCompiler(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.inbox = inbox
         self.accepting = True
@@ -241,16 +244,20 @@ class ZmqFrontend:
         except RequestError as e:
             self._reply_error(identity, msg.request_id, e.code, e.message)
             return
-        if isinstance(source, str):
+        if isinstance(source, str) or msg.structured_outputs is not None:
             self._tokenizing[key] = False
             self._tokenize_pool.submit(len(source), self._tokenize, key, msg, source)
         else:
             self._admit(key, msg, source)
 
-    def _tokenize(self, key: RequestKey, req: GenerateRequest, prompt: str) -> None:
-        """In the tokenizer pool; replies go out through the I/O thread."""
+    def _tokenize(self, key: RequestKey, req: GenerateRequest, prompt: str | list[int]) -> None:
+        """In the tokenizer pool: the prompt tokenized and the structured-output constraint
+        compiled (either may take a while); replies go out through the I/O thread."""
         try:
             ids = admit_prompt(self.tokenizer, prompt, req.params, self.vocab_size, self.max_model_len)
+            grammar = None
+            if req.structured_outputs is not None:
+                grammar = self.grammars.compile(spec_from_message(req.structured_outputs))
         except RequestError as e:
             self._tokenizing.pop(key, None)
             self._failed.put((key.client, ErrorReply(req.request_id, e.code, e.message)))
@@ -264,7 +271,7 @@ class ZmqFrontend:
         if self._tokenizing.pop(key, False):  # aborted while tokenizing
             self._failed.put((key.client, Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
             return
-        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt))
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt, grammar))
 
     def _admit(self, key: RequestKey, req: GenerateRequest, ids: list[int]) -> None:
         """A request of token ids, on the I/O thread (checking them is cheap)."""

@@ -4,7 +4,7 @@ by cpu_attention.py, the w8a8 linears' row quantization and the int8 KV cache's
 (cpu_quantize_rows.cpp, used by meshserve.layers.quant and meshserve.layers.kv_quant), and
 RMSNorm, silu-and-mul (for the cpu backend's eager steps) and greedy sampling's argmax in one
 pass each (cpu_norm_act.cpp), and random sampling with temperature, top-k and top-p
-(cpu_sample.cpp).
+(cpu_sample.cpp, with the grammar masks of structured outputs).
 
 **One build per instruction set** (meshserve.configs.cpu_features.ISAS): `avx512`, `avx2`,
 `scalar`. Each registers its ops under its own namespace (`torch.ops.meshserve_cpu_avx2`,
@@ -225,9 +225,13 @@ def _sample_rows_shape(logits, temperature, top_k, top_p, uniform):
     return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 
+def _mask_rows_shape(logits, bitmask, rows):
+    return logits.new_empty(rows.shape[0], dtype=torch.bool)
+
+
 SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
           "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
           "rms_norm": _rms_norm_shape, "silu_and_mul": _silu_and_mul_shape, "argmax_rows": _argmax_rows_shape,
-          "sample_rows": _sample_rows_shape}
+          "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape}
 """Each op's shape function, for torch.compile."""

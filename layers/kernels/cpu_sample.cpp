@@ -78,13 +78,20 @@ constexpr float kNear = 1.f / 256;
 // At most this many near tokens are sorted as they are; a flatter row takes the histogram.
 constexpr int64_t kMaxNear = 4096;
 
+// Below this exp's result is not a normal float: 0 under -ffast-math's flush to zero.
+constexpr float kExpFloor = -87.f;
+
 // e_j = exp((x_j - top) / T), 0 for banned logits; returns their sum. Branch-free, so the
 // compiler vectorizes it (exp from libmvec under -ffast-math; counting the near set in the
 // same loop kept it from vectorizing: 4x slower).
+// NOTE: the argument is clamped at kExpFloor and those weights set to 0, as they were: libmvec
+// leaves its fast path for arguments below it, and a row a grammar mask or min_p filled with
+// -inf (or a logit_bias of -100) took 3-4x as long.
 double weights(const float* x, int64_t n, float top, float inv, float* e) {
   double total = 0.0;
   for (int64_t j = 0; j < n; ++j) {
-    const float v = is_finite_bits(x[j]) ? std::exp((x[j] - top) * inv) : 0.f;
+    const float a = (x[j] - top) * inv;
+    const float v = is_finite_bits(x[j]) && a > kExpFloor ? std::exp(std::max(a, kExpFloor)) : 0.f;
     e[j] = v;
     total += v;
   }
@@ -190,6 +197,7 @@ int64_t sample_row(const float* x, int64_t n, float temperature, int64_t top_k, 
   w.weight.resize(n);
   float* e = w.weight.data();
   const double total = weights(x, n, x[first], 1.f / temperature, e);
+  if (!(total > 0.0)) return first;  // nothing finite to draw from (a row all -inf)
   const bool by_k = top_k > 0 && top_k < n, by_p = top_p < 1.f;
   if (!by_k && !by_p) {  // the whole row
     const double target = u * total;
@@ -264,10 +272,57 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   return out;
 }
 
+// Grammar masks (engine/structured.py): on each row rows[i] of `logits`, the tokens whose bit
+// in bitmask[i] is clear become -inf, in place (bit j of word w: token 32 w + j, xgrammar's
+// layout; tokens past the mask's words are disallowed). Returns, per masked row, whether a
+// finite logit is left. One branch-free pass per row: 0.1 ms for 32 x 49152, where the torch
+// ops (unpacking the bits, where, index_copy) took ~15.
+at::Tensor mask_rows(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "mask_rows: logits must be a contiguous (n, V) float32 tensor");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && rows.scalar_type() == at::kLong &&
+                  rows.numel() == bitmask.size(0),
+              "mask_rows: bitmask (k, words) int32 and rows (k,) int64");
+  const int64_t n = logits.size(1), words = bitmask.size(1), k = rows.numel();
+  const at::Tensor bm = bitmask.contiguous(), rs = rows.contiguous();
+  at::Tensor alive = at::empty({k}, logits.options().dtype(at::kBool));
+  float* xs = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bm.data_ptr<int32_t>());
+  const int64_t* ri = rs.data_ptr<int64_t>();
+  bool* out = alive.data_ptr<bool>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(ri[i] >= 0 && ri[i] < logits.size(0), "mask_rows: row ", ri[i], " out of range");
+    float* x = xs + ri[i] * n;
+    const uint32_t* b = bits + i * words;
+    bool any = false;
+    for (int64_t w = 0; w * 32 < n; ++w) {
+      const uint32_t word = w < words ? b[w] : 0u;
+      float* xw = x + w * 32;
+      const int64_t len = std::min<int64_t>(32, n - w * 32);
+      if (word == 0u) {  // most words of a narrow grammar: nothing allowed
+        std::fill(xw, xw + len, ninf);
+        continue;
+      }
+      for (int64_t j = 0; j < len; ++j) {
+        const bool keep = (word >> j) & 1u;
+        any |= keep && is_finite_bits(xw[j]);
+        xw[j] = keep ? xw[j] : ninf;
+      }
+    }
+    out[i] = any;
+  }
+  return alive;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor uniform) -> Tensor");
+  m.def("mask_rows(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("sample_rows", &sample_rows); }
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
+  m.impl("sample_rows", &sample_rows);
+  m.impl("mask_rows", &mask_rows);
+}

@@ -4,6 +4,7 @@ rank and with transformers. Config mistakes fail before any rank starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.client import Client
+from meshserve.client import Client, Completion
+from support.schemas import CHOICES, PROMPTS, REGEX, SCHEMAS
 from support.reference import hf_greedy, hf_model
 from support.server import MeshserveProcess, free_port
 
@@ -59,6 +61,7 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, 
         with Client(address, timeout=120) as client:
             got = [client.generate(p, max_tokens=16, temperature=0) for p in prompts]
             second = client.generate(follow, max_tokens=8, temperature=0, ignore_eos=True)
+            check_structured_outputs(client, tok, prompts[0], want[0])
         for w, g in zip(want, got):
             cut = w.index(2) + 1 if 2 in w else len(w)
             assert g.token_ids == w[:cut]
@@ -70,6 +73,42 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, 
         assert not server.group_alive()
     finally:
         server.kill()
+
+
+def check_structured_outputs(client: Client, tok, free_prompt: list[int], free_want: list[int]) -> None:
+    """Structured outputs at this topology, all in one batch: every schema greedy and sampled
+    validates, a regex and a choice match, and an unconstrained request beside them gets
+    transformers' greedy tokens."""
+    import jsonschema
+
+    def chat(text):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+
+    asks = [(name, dict(temperature=0)) for name in SCHEMAS] + [(name, dict(temperature=0.8, seed=3))
+                                                                 for name in SCHEMAS]
+    streams = [client.generate(chat(PROMPTS[name]), stream=True, max_tokens=200,
+                               structured_outputs={"json": SCHEMAS[name]}, **kw) for name, kw in asks]
+    regex = client.generate(chat("A city and a number."), stream=True, max_tokens=20, temperature=0,
+                            structured_outputs={"regex": REGEX})
+    choice = client.generate(chat("Pick a city."), stream=True, max_tokens=20, temperature=0.7, seed=1,
+                             structured_outputs={"choice": CHOICES})
+    free = client.generate(free_prompt, stream=True, max_tokens=16, temperature=0)
+
+    def whole(deltas):
+        done = Completion("")
+        for d in deltas:
+            done.add(d)
+        return done
+
+    for (name, _), deltas in zip(asks, streams):
+        r = whole(deltas)
+        assert r.finish_reason == "stop", (name, r.text)
+        jsonschema.validate(json.loads(r.text), SCHEMAS[name])
+    assert re.fullmatch(REGEX, whole(regex).text)
+    assert whole(choice).text in CHOICES
+    cut = free_want.index(2) + 1 if 2 in free_want else len(free_want)
+    assert whole(free).token_ids == free_want[:cut]
 
 
 def _offline_tokens(path, prompts):

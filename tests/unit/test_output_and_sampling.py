@@ -324,7 +324,7 @@ def test_prompt_ending_inside_a_character_is_not_repeated(tok, prompt):
 
 
 def row(num_tokens: int = 10, prompt_len: int = 10, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), num_tokens, prompt_len)
+    return SamplingRow(SamplingParams(**params), num_tokens, prompt_len, [0] * num_tokens)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int | None = 0, eos=(EOS,)):
