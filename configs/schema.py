@@ -7,12 +7,15 @@ derived elsewhere and are never fields here.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, StrictInt, StrictStr,
                       field_validator, model_validator)
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^/\s:\[\]]+)(:\d{1,5})?")
+"""A web origin as a browser sends it in `Origin`: scheme://host[:port], no path."""
 
 
 class Section(BaseModel):
@@ -168,6 +171,18 @@ class ServerConfig(Section):
     api_key: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
     """HTTP: /v1/* needs `Authorization: Bearer <api_key>`. Null: open (env MESHSERVE_API_KEY
     fills it)."""
+    cors_allowed_origins: list[StrictStr] = ["*"]
+    """HTTP: the origins whose web pages may call the API (CORS), e.g. ["https://app.example.com"];
+    ["*"]: any; []: none. A browser's preflight (OPTIONS) needs no API key."""
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        for origin in v:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} must be \"*\" or SCHEME://HOST[:PORT] with no "
+                                 f"path, e.g. https://app.example.com")
+        return v
 
     @field_validator("http")
     @classmethod

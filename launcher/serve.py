@@ -15,6 +15,7 @@ from meshserve.engine.engine import Engine
 from meshserve.engine.serving.commands import Frontend, Inbox
 from meshserve.engine.serving.server import Server
 from meshserve.engine.serving.zmq_frontend import ZmqFrontend
+from meshserve.engine.structured import GrammarCompiler
 from meshserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("meshserve")
@@ -45,8 +46,9 @@ class ServeMode:
 
     def prepare(self, config: Config, tokenizer: Tokenizer, info: ModelInfo, memory: MemoryPlan) -> None:
         self.config, self.info = config, info
+        grammars = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
         self.frontend = ZmqFrontend(config.server.zmq, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
-                                    secret=config.server.secret, curve=config.server.curve)
+                                    secret=config.server.secret, curve=config.server.curve, grammars=grammars)
         if config.server.http is None:
             return
         from meshserve.engine.serving.http_frontend import HttpFrontend  # FastAPI and uvicorn only when served
@@ -57,7 +59,9 @@ class ServeMode:
             self.http = HttpFrontend(config.server.http, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
                                      config.server.model_name or served_name(config.model.path),
                                      self.metrics.registry, api_key=config.server.api_key,
-                                     limits=config.server.http_limits, metrics_public=config.server.metrics.public)
+                                     limits=config.server.http_limits, metrics_public=config.server.metrics.public,
+                                     cors_allowed_origins=config.server.cors_allowed_origins,
+                                     grammars=grammars)
         except OSError:
             self.frontend.close()
             raise

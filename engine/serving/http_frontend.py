@@ -16,7 +16,9 @@ read_timeout, 413 for a body over MAX_BODY_BYTES, 429 when the scheduler's queue
 while the server drains or once it stopped, and 500 with a request id for anything nobody
 expected (its traceback goes to the log, never its text to the client). With an API key
 (server.api_key) every path but /health (and /metrics if server.metrics.public) needs
-`Authorization: Bearer <key>`, else 401.
+`Authorization: Bearer <key>`, else 401. CORS (server.cors_allowed_origins) wraps it all: a
+browser's preflight is answered before the key is asked for, and every answer, a 401 too,
+carries the headers a web page needs to read it.
 """
 
 from __future__ import annotations
@@ -38,24 +40,27 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams, Usage
 from meshserve.configs.schema import HttpLimits
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey, ResetPrefixCacheCommand
-from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, CompletionRequest,
-                                                      CompletionShapes, LogprobFormatter, OpenAIError, StreamOptions,
-                                                      cached_tokens, engine_error, from_request_error, ignored_fields,
-                                                      usage_dict)
+from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, ChoiceContext,
+                                                      CompletionRequest, CompletionShapes, LogprobFormatter,
+                                                      OpenAIError, StreamOptions, best_of, cached_tokens, check_model,
+                                                      engine_error, from_request_error, ignored_fields, usage_dict)
 from meshserve.engine.serving.http_protocol import limited_protocol
 from meshserve.engine.serving.request_body import MAX_BODY_BYTES, parse_body
+from meshserve.engine.serving.tokenize_api import TokenizerApi, encode_chat, meshserve_version, template_input
 from meshserve.engine.serving.tokenize_pool import TokenizePool
+from meshserve.engine.structured import GrammarCompiler
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.admission import RequestError, admit_prompt, check_chars, check_prompt
 
 log = logging.getLogger(__name__)
 
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                 "/reset_prefix_cache")
+                 "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
 IGNORED_HEADER = "x-meshserve-ignored-fields"
 """Response header naming the request's fields this server ignored (comma-separated)."""
 TOKENIZER_THREADS = 1
@@ -149,9 +154,13 @@ class HttpFrontend:
 
     def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  model_name: str, registry: CollectorRegistry | None = None, api_key: str | None = None,
-                 limits: HttpLimits | None = None, metrics_public: bool = False):
+                 limits: HttpLimits | None = None, metrics_public: bool = False,
+                 cors_allowed_origins: tuple[str, ...] | list[str] = ("*",), grammars: GrammarCompiler | None = None):
         """`api_key`: every path but /health (and /metrics if `metrics_public`) needs
-        `Authorization: Bearer <api_key>`."""
+        `Authorization: Bearer <api_key>`. `cors_allowed_origins`: the web origins that may
+        call the API from a browser ("*": any). `grammars`: compiles structured-output
+        constraints (one is made if not given)."""
+        self.grammars = grammars or GrammarCompiler(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
         limits = limits or HttpLimits()
         self.inbox, self.tokenizer = inbox, tokenizer
         self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name
@@ -173,9 +182,11 @@ class HttpFrontend:
         self._token_text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._responses = Counter("meshserve_http_responses", "HTTP responses by path and status", ["path", "status"],
                                   registry=self.registry)
+        self.tokenizer_api = TokenizerApi(tokenizer, vocab_size, max_model_len, model_name, self._in_thread)
         self.app = build_app(self)
         open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
-        app = _CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout)
+        app = with_cors(_CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout),
+                        list(cors_allowed_origins))
         self._server = uvicorn.Server(uvicorn.Config(
             app, http=limited_protocol(limits.max_connections, limits.read_timeout), log_level="warning",
             access_log=False, lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=limits.keep_alive))
@@ -256,58 +267,73 @@ class HttpFrontend:
     def _check_common(self, req) -> None:
         if not self.accepting:
             raise engine_error("unavailable", "the server is shutting down and accepts no new requests")
-        if req.model is not None and req.model != self.model_name:
-            raise OpenAIError(404, f"The model `{req.model}` does not exist (this server serves `{self.model_name}`)",
-                              param="model", code="model_not_found")
+        check_model(req.model, self.model_name)
         req.check_supported()
 
-    async def _encode_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int], params: SamplingParams,
+                             keep: int | None) -> tuple[list[int], bool]:
         """The prompt's token ids, its length checked at once (the next prompt is not tokenized
-        if this one is too long)."""
+        if this one is too long), and whether they were cut: with `keep` (truncate_prompt_tokens)
+        only the last `keep` tokens stay, and the length is checked after the cut."""
         try:
-            args = (self.tokenizer, prompt, params, self.vocab_size, self.max_model_len)
-            ids = admit_prompt(*args) if isinstance(prompt, list) else await self._in_thread(
-                len(prompt), admit_prompt, *args)
+            if keep is None:
+                args = (self.tokenizer, prompt, params, self.vocab_size, self.max_model_len)
+                ids = admit_prompt(*args) if isinstance(prompt, list) else await self._in_thread(
+                    len(prompt), admit_prompt, *args)
+                return ids, False
+            if isinstance(prompt, str):
+                check_chars(len(prompt), self.max_model_len)
+                prompt = await self._in_thread(len(prompt), self.tokenizer.encode, prompt)
+            ids = prompt[-keep:]
+            check_prompt(ids, params, self.vocab_size, self.max_model_len)
         except RequestError as e:
             raise from_request_error(e, "prompt") from None
-        return ids
-
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        try:
-            return self.tokenizer.apply_chat_template(messages)
-        except Exception as e:  # the template refuses (e.g. roles out of order)
-            raise OpenAIError(400, f"the chat template failed: {e}", param="messages") from None
+        return ids, len(ids) < len(prompt)
 
     async def completions(self, raw: Request) -> Response:
         req = parse_body(await raw.body(), CompletionRequest, self.max_model_len)
         self._check_common(req)
         prompts = req.prompts()
-        if len(prompts) * req.n > MAX_N:
-            raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_N} samples", param="n")
+        if len(prompts) * req.num_samples > MAX_N:
+            param = "n" if req.best_of is None else "best_of"
+            raise OpenAIError(400, f"{len(prompts)} prompts x {param}={req.num_samples} exceeds {MAX_N} samples",
+                              param=param)
+        keep = req.prompt_keep(self.max_model_len)
         max_tokens = req.max_tokens or DEFAULT_COMPLETION_TOKENS
-        params = req.sampling_params(max_tokens, req.logprobs, req.seed)
+        params = req.sampling_params(max_tokens, req.engine_logprobs, req.seed)
         req.check_params(params, self.vocab_size)
-        ids = [await self._encode_prompt(p, params) for p in prompts]
-        return await self._generate(req, raw, ids, max_tokens, req.logprobs, CompletionShapes, "prompt")
+        ids, echo = [], []
+        for prompt in prompts:
+            prompt_ids, cut = await self._encode_prompt(prompt, params, keep)
+            ids.append(prompt_ids)
+            if req.echo:  # the prompt as sent, or the text of the token ids that stay
+                echo.append(prompt if isinstance(prompt, str) and not cut else
+                            await self._in_thread(len(prompt_ids), self.tokenizer.decode, prompt_ids, False))
+        context = ChoiceContext(ids, req.n, echo or None, req.return_token_ids)
+        shapes = CompletionShapes(LogprobFormatter(self._token_text) if req.logprobs is not None else None, context)
+        return await self._generate(req, raw, ids, max_tokens, req.engine_logprobs, shapes, "prompt")
 
     async def chat(self, raw: Request) -> Response:
         req = parse_body(await raw.body(), ChatCompletionRequest, self.max_model_len)
         self._check_common(req)
-        messages = [m.as_template_input() for m in req.messages]
-        chars = sum(len(m["content"]) for m in messages)
-        try:
-            check_chars(chars, self.max_model_len, "messages")
-        except RequestError as e:
-            raise from_request_error(e, "messages") from None
-        ids = await self._in_thread(chars + len(messages), self._encode_chat, messages)
+        keep = req.prompt_keep(self.max_model_len)
+        messages, chars = template_input(req.messages, self.max_model_len)
+        ids = await self._in_thread(chars + len(messages), encode_chat, self.tokenizer, messages,
+                                    req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        if keep is not None:
+            ids = ids[-keep:]
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
-        return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, ChatShapes, "messages")
+        context = ChoiceContext([ids], req.n, [req.echo_text()], req.return_token_ids)
+        shapes = ChatShapes(LogprobFormatter(self._token_text) if req.logprobs else None, context)
+        return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, shapes, "messages")
 
     async def _generate(self, req, raw: Request, prompt_ids: list[list[int]], max_tokens: int,
-                        logprobs: int | None, shapes_cls, prompt_param: str) -> Response:
-        samples = []  # (prompt ids, params), choice index = prompt index * n + j
+                        logprobs: int | None, shapes, prompt_param: str) -> Response:
+        """Submit req.num_samples engine requests per prompt (seed + j for sample j) and answer
+        with `shapes`' choices, whole or streamed."""
+        samples = []  # (prompt ids, params), sample index = prompt index * num_samples + j
         for ids in prompt_ids:
-            for j in range(req.n):
+            for j in range(req.num_samples):
                 # NOTE: sample j gets seed + j: the same seed for all would make n identical samples.
                 seed = None if req.seed is None else (req.seed + j) % (1 << 63)
                 params = req.sampling_params(max_tokens, logprobs, seed)
@@ -317,8 +343,7 @@ class HttpFrontend:
                 except RequestError as e:
                     raise from_request_error(e, prompt_param) from None
                 samples.append((ids, params))
-        request_id = f"{shapes_cls.id_prefix}{uuid.uuid4().hex}"
-        shapes = shapes_cls(LogprobFormatter(self._token_text) if logprobs is not None else None)
+        request_id = f"{shapes.id_prefix}{uuid.uuid4().hex}"
         run = _Samples(self, request_id)
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(raw, run.queue))
         try:
@@ -336,7 +361,7 @@ class HttpFrontend:
         headers = self._ignored_header(req)
         if not req.stream:
             run.close()
-            return self._whole(run, shapes, results, prompt_ids, req.n, headers)
+            return self._whole(run, shapes, results, prompt_ids, req.num_samples, req.n, headers)
         options = req.stream_options or StreamOptions()
         usage = "continuous" if options.continuous_usage_stats else "final" if options.include_usage else None
         return _EventStream(self._stream(run, shapes, first, usage, prompt_ids, req.n), run.close, headers)
@@ -382,15 +407,20 @@ class HttpFrontend:
         return first
 
     def _header(self, run: _Samples) -> dict[str, Any]:
-        return {"id": run.request_id, "created": int(time.time()), "model": self.model_name}
+        # NOTE: system_fingerprint null in every response and chunk: OpenAI's clients read the
+        # key; meshserve has no backend configuration fingerprint to put there.
+        return {"id": run.request_id, "created": int(time.time()), "model": self.model_name,
+                "system_fingerprint": None}
 
-    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids, n: int,
+    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids, per_prompt: int, n: int,
                headers: dict[str, str]) -> JSONResponse:
+        """The whole response: of each prompt's `per_prompt` samples, the `n` best (best_of).
+        NOTE: the usage counts every sample generated, as OpenAI bills best_of (vLLM counts
+        only the n returned)."""
         usage = usage_dict(sum(len(p) for p in prompt_ids), sum(c.usage.completion_tokens for c in results),
-                           cached_tokens({i: c.usage for i, c in enumerate(results)}, n))
-        body = self._header(run) | {"object": shapes.object,
-                                             "choices": [shapes.choice(i, c) for i, c in enumerate(results)],
-                                             "usage": usage}
+                           cached_tokens({i: c.usage for i, c in enumerate(results)}, per_prompt))
+        choices = [shapes.choice(i, c) for i, c in enumerate(best_of(results, per_prompt, n))]
+        body = self._header(run) | {"object": shapes.object, "choices": choices, "usage": usage} | shapes.top_level()
         return JSONResponse(body, headers=headers)
 
     async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], usage: str | None, prompt_ids,
@@ -403,18 +433,24 @@ class HttpFrontend:
         completion_tokens = streamed = 0
         usages: dict[int, Usage] = {}
 
+        def encode(body: dict[str, Any]) -> bytes:
+            chunk = header | body
+            if usage is not None:
+                chunk["usage"] = usage_dict(prompt_tokens, streamed) if usage == "continuous" else None
+            return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
         def event(index: int, delta: Delta) -> bytes:
             nonlocal completion_tokens, streamed
             if delta.usage is not None:
                 completion_tokens += delta.usage.completion_tokens
                 usages[index] = delta.usage
             streamed += len(delta.token_ids)
-            chunk = header | {"choices": [shapes.chunk_choice(index, delta)]}
-            if usage is not None:
-                chunk["usage"] = usage_dict(prompt_tokens, streamed) if usage == "continuous" else None
-            return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+            return encode({"choices": [shapes.chunk_choice(index, delta)]})
 
         try:
+            opening = b"".join(encode(body) for body in shapes.opening())
+            if opening:
+                yield opening
             pending = list(first)
             while True:
                 out = b"".join(event(i, d) for i, d in pending)
@@ -591,7 +627,32 @@ def build_app(frontend: HttpFrontend) -> FastAPI:
     async def metrics():
         return Response(generate_latest(frontend.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await frontend.tokenizer_api.tokenize(await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await frontend.tokenizer_api.detokenize(await request.body())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return frontend.tokenizer_api.info()
+
+    @app.get("/version")
+    async def version():
+        return {"version": meshserve_version()}
+
     return app
+
+
+def with_cors(app, allowed_origins: list[str]) -> CORSMiddleware:
+    """`app` behind CORS for `allowed_origins` (vLLM's defaults otherwise: any method and
+    header, no credentials). NOTE: outside the API key check, so a preflight (which a browser
+    sends without credentials) is answered without one; and every answer, 401s included,
+    carries the headers that let a web page read it."""
+    return CORSMiddleware(app, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                          allow_credentials=False, expose_headers=[IGNORED_HEADER])
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -3,15 +3,18 @@ stream-chunk shapes of /v1/completions and /v1/chat/completions.
 
 Requests are pydantic models that refuse unknown fields, as OpenAI's API does (a typo such
 as `max_token` is a 400, not silently ignored). Parameters meshserve cannot honour
-(penalties, logit_bias, echo, tools, ...) are a 400 naming the parameter unless they are
-left at their no-op value. Extensions (vLLM's names): top_k, min_tokens, ignore_eos,
-stop_token_ids, skip_special_tokens.
+(suffix, prompt_logprobs, beam search, ...) are a 400 naming the parameter unless they are
+left at their no-op value. Extensions (vLLM's names): top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output,
+return_token_ids, truncate_prompt_tokens, cache_salt; on chat also echo,
+add_generation_prompt, continue_final_message, chat_template_kwargs.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -61,6 +64,13 @@ def from_request_error(e: RequestError, prompt_param: str) -> OpenAIError:
     return engine_error(e.code, e.message, prompt_param if e.param == "prompt" else e.param)
 
 
+def check_model(requested: str | None, served: str) -> None:
+    """A request that names a model names the served one (else 404, as OpenAI answers)."""
+    if requested is not None and requested != served:
+        raise OpenAIError(404, f"The model `{requested}` does not exist (this server serves `{served}`)",
+                          param="model", code="model_not_found")
+
+
 _MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)")
 
 
@@ -85,12 +95,11 @@ class _Strict(BaseModel):
 
 
 UNSUPPORTED: dict[str, Any] = {
-    "repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "length_penalty": 1.0, "use_beam_search": False,
-    "prompt_logprobs": None, "logits_processors": None, "truncate_prompt_tokens": None,
+    "typical_p": 1.0, "length_penalty": 1.0, "use_beam_search": False,
+    "prompt_logprobs": None, "logits_processors": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "add_generation_prompt": True, "continue_final_message": False,
-    "chat_template": None, "chat_template_kwargs": None, "mirostat": 0, "n_probs": 0,
-    "include_stop_str_in_output": False, "functions": None, "function_call": None,
+    "structured_outputs": None, "chat_template": None, "mirostat": 0, "n_probs": 0,
+    "functions": None, "function_call": None,
 }
 """Other servers' parameters that change what is generated (vLLM's and llama.cpp's names),
 each with the value that changes nothing: any other value is refused, not ignored."""
@@ -135,9 +144,11 @@ class _SamplingRequest(_Strict):
     stop: str | Annotated[list[str], field(bounds.STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, field(bounds.PENALTY)] | None = None
+    frequency_penalty: Annotated[float, field(bounds.PENALTY)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, field(bounds.LOGIT_BIAS)]],
+                          Field(max_length=bounds.MAX_LOGIT_BIAS)] | None = None
+    """Token id (as a string, OpenAI's shape) -> bias added to its logit."""
     user: str | None = None
     # extensions (vLLM's names)
     top_k: Annotated[int, Field(ge=-1, le=bounds.COUNT.le)] | None = None
@@ -148,6 +159,29 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     """Share cached KV blocks only with requests of the same salt."""
+    repetition_penalty: Annotated[float, field(bounds.REPETITION_PENALTY)] | None = None
+    min_p: Annotated[float, field(bounds.MIN_P)] | None = None
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    """The prompt's token ids and each choice's (vLLM 0.10's `prompt_token_ids`, `token_ids`)."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=bounds.INT32_MAX)] | None = None
+    """Keep only the prompt's last k tokens; -1: the model's maximum context."""
+
+    @property
+    def num_samples(self) -> int:
+        """Engine requests per prompt."""
+        return self.n
+
+    def prompt_keep(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens to keep (truncate_prompt_tokens); None: all."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k == 0 or k > max_model_len:
+            raise OpenAIError(400, f"truncate_prompt_tokens={k}: keep 1 to {max_model_len} prompt tokens (the model's "
+                                   f"maximum context), or -1 for all it holds", param="truncate_prompt_tokens",
+                              code="invalid_value")
+        return max_model_len if k == -1 else k
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -159,14 +193,6 @@ class _SamplingRequest(_Strict):
                 only = "" if UNSUPPORTED[name] is None else f" (only {UNSUPPORTED[name]!r})"
                 raise OpenAIError(400, f"{name}={repr(value)[:80]} is not supported by this server{only}", param=name,
                                   code="unsupported_parameter")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise OpenAIError(400, f"{name}={value} is not supported by this server (only 0)", param=name,
-                                  code="unsupported_parameter")
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported by this server", param="logit_bias",
-                              code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -176,16 +202,27 @@ class _SamplingRequest(_Strict):
         fields = {"max_tokens": max_tokens, "min_tokens": self.min_tokens, "top_k": max(0, self.top_k or 0),
                   "seed": seed, "stop": stop, "stop_token_ids": list(self.stop_token_ids or []),
                   "ignore_eos": self.ignore_eos, "logprobs": logprobs,
-                  "skip_special_tokens": self.skip_special_tokens}
-        if self.temperature is not None:
-            fields["temperature"] = self.temperature
-        if self.top_p is not None:
-            fields["top_p"] = self.top_p
+                  "skip_special_tokens": self.skip_special_tokens,
+                  "include_stop_str_in_output": self.include_stop_str_in_output, "logit_bias": self._logit_bias()}
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
         try:
             return msgspec.convert(fields, SamplingParams)
         except msgspec.ValidationError as e:
             m = _MSGSPEC_PATH.search(str(e))
             raise OpenAIError(400, str(e), param=m.group(1) if m else None) from None
+
+    def _logit_bias(self) -> list[tuple[int, float]]:
+        """OpenAI's logit_bias map as the engine's (token id, bias) pairs."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            # NOTE: not int(key) alone: it takes " 5", "+5", "1_0" and other digits than ASCII
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise OpenAIError(400, f"logit_bias: the key {key[:40]!r} is not a token id (a non-negative integer, "
+                                       f"as a string)", param="logit_bias", code="invalid_value")
+            pairs.append((int(key), bias))
+        return sorted(pairs)
 
     def check_params(self, params: SamplingParams, vocab_size: int) -> None:
         try:
@@ -208,14 +245,32 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported by this server", param="echo", code="unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            # NOTE: echo with logprobs needs the prompt's logprobs (prompt_logprobs), not served yet
+            raise OpenAIError(400, "echo together with logprobs is not supported by this server", param="echo",
+                              code="unsupported_parameter")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported by this server", param="suffix",
                               code="unsupported_parameter")
-        if self.best_of is not None and self.best_of != self.n:
-            raise OpenAIError(400, f"best_of={self.best_of} is not supported (only best_of == n)", param="best_of",
-                              code="unsupported_parameter")
+        if self.best_of is not None and self.best_of < self.n:
+            raise OpenAIError(400, f"best_of={self.best_of} must be at least n={self.n}", param="best_of",
+                              code="invalid_value")
+        if self.stream and self.num_samples > self.n:
+            raise OpenAIError(400, "best_of > n cannot be streamed: the best samples are known only at the end",
+                              param="best_of", code="invalid_value")
+
+    @property
+    def num_samples(self) -> int:
+        """best_of samples per prompt (n unless best_of says more)."""
+        return self.best_of or self.n
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """The logprobs to ask the engine for: the client's, or 0 (the sampled token's alone)
+        when best_of ranks samples by their cumulative logprob."""
+        if self.logprobs is None and self.num_samples > self.n:
+            return 0
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a string, token ids, or a batch of either."""
@@ -248,6 +303,27 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
+CHAT_TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+"""Names chat_template_kwargs may not use: apply_chat_template's own arguments (transformers),
+which the request sets through its own fields or which would change what the call returns."""
+
+
+def check_template_flags(add_generation_prompt: bool, continue_final_message: bool,
+                         template_kwargs: dict[str, Any] | None) -> None:
+    """The chat template's options of a request (chat, /tokenize), as vLLM checks them."""
+    if add_generation_prompt and continue_final_message:
+        raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                               "add_generation_prompt to false to continue the last message)",
+                          param="continue_final_message", code="invalid_value")
+    reserved = sorted(CHAT_TEMPLATE_RESERVED & set(template_kwargs or {}))
+    if reserved:
+        raise OpenAIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own fields "
+                               f"do)", param="chat_template_kwargs", code="invalid_value")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
@@ -256,6 +332,14 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # extensions (vLLM's names)
+    echo: bool = False
+    """The reply starts with the last message's content if that message is the assistant's."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """The model continues the last message (an assistant's prefix) instead of starting a new one."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables for the chat template (e.g. {"enable_thinking": false})."""
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -264,6 +348,13 @@ class ChatCompletionRequest(_SamplingRequest):
                               code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        check_template_flags(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+    def echo_text(self) -> str:
+        """What the reply starts with (vLLM's echo): the last message's content if it is the
+        assistant's, else nothing."""
+        last = self.messages[-1]
+        return last.as_template_input()["content"] if self.echo and last.role == "assistant" else ""
 
     @property
     def engine_logprobs(self) -> int | None:
@@ -287,6 +378,41 @@ def cached_tokens(usages: dict[int, Usage], n: int) -> int:
     """The usage's cached tokens: those of each prompt's first sample (sample i * n), as
     prompt_tokens counts each prompt once however many samples it has."""
     return sum(u.cached_tokens for index, u in usages.items() if index % n == 0)
+
+
+def best_of(results: list[Completion], per_prompt: int, n: int) -> list[Completion]:
+    """vLLM's best_of: of each prompt's `per_prompt` samples (consecutive in `results`), the
+    `n` whose sampled tokens have the highest cumulative logprob, best first."""
+    if per_prompt == n:
+        return results
+    chosen = []
+    for start in range(0, len(results), per_prompt):
+        group = results[start:start + per_prompt]
+        chosen += sorted(group, key=lambda c: sum(lp.logprob for lp in c.logprobs or []), reverse=True)[:n]
+    return chosen
+
+
+@dataclass(frozen=True)
+class ChoiceContext:
+    """What the choices of one response carry besides the engine's output. Choice i answers
+    prompt i // n."""
+
+    prompt_ids: list[list[int]]
+    n: int = 1
+    echo: list[str] | None = None
+    """Each prompt's text that precedes its choices' output (echo); None: nothing."""
+    token_ids: bool = False
+    """vLLM's return_token_ids: the prompt's token ids and each choice's."""
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompt_ids) * self.n
+
+    def echo_text(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        return self.prompt_ids[index // self.n]
 
 
 class LogprobFormatter:
@@ -327,9 +453,11 @@ class CompletionShapes:
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, logprobs: LogprobFormatter | None):
+    def __init__(self, logprobs: LogprobFormatter | None, context: ChoiceContext | None = None):
         self.logprobs = logprobs
+        self.context = context or ChoiceContext([])
         self._offsets: dict[int, int] = {}
+        self._started: set[int] = set()
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if self.logprobs is None or logprobs is None:
@@ -338,12 +466,34 @@ class CompletionShapes:
         return out
 
     def choice(self, index: int, c: Completion) -> dict[str, Any]:
-        return {"index": index, "text": c.text, "logprobs": self._logprobs(index, c.logprobs or []),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        out = {"index": index, "text": self.context.echo_text(index) + c.text,
+               "logprobs": self._logprobs(index, c.logprobs or []), "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason}
+        if self.context.token_ids:
+            out |= {"token_ids": c.token_ids, "prompt_token_ids": self.context.prompt_token_ids(index)}
+        return out
 
     def chunk_choice(self, index: int, d: Delta) -> dict[str, Any]:
-        return {"index": index, "text": d.text, "logprobs": self._logprobs(index, d.logprobs or []),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        """The first chunk of a choice starts with the echoed prompt and carries the prompt's
+        token ids (vLLM's shapes)."""
+        first = index not in self._started
+        self._started.add(index)
+        echo = self.context.echo_text(index) if first else ""
+        out = {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d.logprobs or []),
+               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if self.context.token_ids:
+            out["token_ids"] = d.token_ids
+            if first:
+                out["prompt_token_ids"] = self.context.prompt_token_ids(index)
+        return out
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chunks sent before the engine's first output: none."""
+        return []
+
+    def top_level(self) -> dict[str, Any]:
+        """Fields of the whole response besides the header, choices and usage: none."""
+        return {}
 
 
 class ChatShapes:
@@ -353,22 +503,50 @@ class ChatShapes:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, logprobs: LogprobFormatter | None):
+    def __init__(self, logprobs: LogprobFormatter | None, context: ChoiceContext | None = None):
         self.logprobs = logprobs
-        self._started: set[int] = set()
+        self.context = context or ChoiceContext([])
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         return None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)
 
     def choice(self, index: int, c: Completion) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.logprobs or []), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        out = {"index": index, "message": {"role": "assistant", "content": self.context.echo_text(index) + c.text},
+               "logprobs": self._logprobs(c.logprobs or []), "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason}
+        if self.context.token_ids:
+            out["token_ids"] = c.token_ids
+        return out
 
     def chunk_choice(self, index: int, d: Delta) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": d.text}
-        if index not in self._started:  # the first chunk of a choice names the role
-            self._started.add(index)
-            delta = {"role": "assistant"} | delta
-        return {"index": index, "delta": delta, "logprobs": self._logprobs(d.logprobs or []),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        out = {"index": index, "delta": delta, "logprobs": self._logprobs(d.logprobs or []),
+               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if self.context.token_ids:
+            out["token_ids"] = d.token_ids
+        return out
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chunks sent before the engine's first output, as OpenAI and vLLM send them: each
+        choice's first chunk names the role and nothing else (`content` ""; a client that
+        reads the first chunk as the role's loses no text), with the prompt's token ids if
+        asked; then, with echo, a chunk of the echoed text per choice."""
+        chunks = []
+        for i in range(self.context.num_choices):
+            chunk: dict[str, Any] = {"choices": [self._bare(i, {"role": "assistant", "content": ""})]}
+            if self.context.token_ids:
+                chunk["prompt_token_ids"] = self.context.prompt_token_ids(i)
+            chunks.append(chunk)
+        for i in range(self.context.num_choices):
+            if self.context.echo_text(i):
+                chunks.append({"choices": [self._bare(i, {"content": self.context.echo_text(i)})]})
+        return chunks
+
+    @staticmethod
+    def _bare(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}
+
+    def top_level(self) -> dict[str, Any]:
+        """Fields of the whole response besides the header, choices and usage: vLLM puts the
+        prompt's token ids there (return_token_ids)."""
+        return {"prompt_token_ids": self.context.prompt_ids[0]} if self.context.token_ids else {}

@@ -127,7 +127,12 @@ def count_messages(raw: bytes, max_messages: int) -> None:
 def parse_body(body: bytes, model: type[Model], max_model_len: int) -> Model:
     """Validate a request body against `model` (strict); OpenAIError(400) if it does not fit.
     `model` has a `prompt` field that parse_body fills (decode_prompt), or a `messages` field."""
-    fields = split_fields(body)
+    return parse_fields(split_fields(body), model, max_model_len)
+
+
+def parse_fields(fields: dict[str, msgspec.Raw], model: type[Model], max_model_len: int) -> Model:
+    """parse_body of a body already split into its fields (split_fields), for a caller that
+    picks the model by the fields present."""
     prompt = None
     if "prompt" in model.model_fields:
         raw = fields.pop("prompt", None)

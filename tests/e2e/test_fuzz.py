@@ -325,7 +325,7 @@ HTTP_CASES = [
     ("completions", {"prompt": "hi", "top_p": 0}), ("completions", {"prompt": "hi", "seed": -1}),
     ("completions", {"prompt": "hi", "seed": 2 ** 64}), ("completions", {"prompt": "hi", "logprobs": 10 ** 6}),
     ("completions", {"prompt": "hi", "stop": ["s"] * 1000}), ("completions", {"prompt": "hi", "stop": "x" * 10_000}),
-    ("completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}), ("completions", {"prompt": "hi", "repetition_penalty": 1.3}),
+    ("completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}), ("completions", {"prompt": "hi", "repetition_penalty": 0}),
     ("completions", {"prompt": "x" * (2 << 20)}), ("completions", {"prompt": [10 ** 12]}),
     ("completions", {"prompt": [-1]}), ("completions", {"prompt": []}), ("completions", {"prompt": [[1, 2]] * 1000}),
     ("completions", {"prompt": [1] * (MAX_MODEL_LEN + 1)}), ("completions", {"prompt": {"a": 1}}),

@@ -163,11 +163,11 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(url, oai):
     would) are ignored, as vLLM ignores them; the response names what was ignored."""
     want = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "cache_prompt": True,
-            "service_tier": "auto", "repetition_penalty": 1.0, "metadata": {"run": "x"}}
+            "service_tier": "auto", "typical_p": 1.0, "metadata": {"run": "x"}}
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == want
-    assert resp.headers["x-meshserve-ignored-fields"] == "cache_prompt, service_tier, repetition_penalty, metadata"
+    assert resp.headers["x-meshserve-ignored-fields"] == "cache_prompt, service_tier, typical_p, metadata"
     chat = {"model": MODEL, "max_tokens": 2, "temperature": 0, "parallel_tool_calls": False,
             "messages": [{"role": "user", "content": "hi", "refusal": None}], "stream": True,
             "stream_options": {"include_usage": True, "future_option": 1}}
@@ -288,16 +288,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "max_token": 3}, 400, "max_token", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty",
-     "unsupported_parameter"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 0.1}, 400, "min_p",
-     "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, 400, "min_p",
+     "invalid_value"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty", "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", None),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
@@ -346,7 +345,7 @@ def test_malformed_bodies_and_paths(url):
 
 def test_openai_package_raises_typed_errors(oai):
     with pytest.raises(openai.BadRequestError) as bad:
-        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, presence_penalty=1.0)
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, presence_penalty=2.5)
     assert bad.value.status_code == 400 and bad.value.body["param"] == "presence_penalty"
     with pytest.raises(openai.NotFoundError) as missing:
         oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
