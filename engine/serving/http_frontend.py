@@ -24,8 +24,8 @@ carries the headers a web page needs to read it.
 from __future__ import annotations
 
 import asyncio
+import json
 import concurrent.futures
-import hmac
 import logging
 import socket
 import threading
@@ -36,33 +36,33 @@ from typing import Any
 
 import msgspec
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
+from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams, Usage
 from meshserve.configs.schema import HttpLimits
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey, ResetPrefixCacheCommand
-from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, ChatShapes, ChoiceContext,
-                                                      CompletionRequest, CompletionShapes, LogprobFormatter,
-                                                      OpenAIError, StreamOptions, best_of, cached_tokens, check_model,
-                                                      engine_error, from_request_error, ignored_fields, usage_dict)
+from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionRequest, CompletionRequest, OpenAIError,
+                                                      StreamOptions, check_model, engine_error, from_request_error,
+                                                      ignored_fields)
+from meshserve.engine.serving.openai_shapes import (ChatShapes, ChoiceContext, CompletionShapes, LogprobFormatter,
+                                                    best_of, cached_tokens, usage_dict)
+from meshserve.engine.serving.http_app import (IGNORED_HEADER, ClientDisconnected, CountingApp, build_app,
+                                               with_cors)
 from meshserve.engine.serving.http_protocol import limited_protocol
-from meshserve.engine.serving.request_body import MAX_BODY_BYTES, parse_body
-from meshserve.engine.serving.tokenize_api import TokenizerApi, encode_chat, meshserve_version, template_input
+from meshserve.engine.serving.request_body import parse_body
+from meshserve.engine.serving.tokenize_api import TokenizerApi, encode_chat, template_input
 from meshserve.engine.serving.tokenize_pool import TokenizePool
-from meshserve.engine.structured import GrammarCompiler
+from meshserve.engine.serving.structured_request import grammar_spec
+from meshserve.engine.serving.tools import (ToolRequestError, chat_template_source, forced_call, render_messages,
+                                            tool_format_for)
+from meshserve.engine.structured import Grammar, GrammarCompiler, GrammarSpec
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.admission import RequestError, admit_prompt, check_chars, check_prompt
 
 log = logging.getLogger(__name__)
 
-COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                 "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
-IGNORED_HEADER = "x-meshserve-ignored-fields"
-"""Response header naming the request's fields this server ignored (comma-separated)."""
 TOKENIZER_THREADS = 1
 """One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
 threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
@@ -77,18 +77,6 @@ class _Disconnected:
 
 
 DISCONNECTED = _Disconnected()
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the response started."""
-
-
-class BodyTooLarge(Exception):
-    """A body sent without Content-Length (chunked) grew past MAX_BODY_BYTES while read."""
-
-
-class BodyTimeout(Exception):
-    """The body did not arrive whole within the read timeout."""
 
 
 def bind_socket(address: str) -> socket.socket:
@@ -119,12 +107,13 @@ class _Samples:
         self.finished: set[int] = set()
         self._closed = False
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, cache_salt: str | None) -> None:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, cache_salt: str | None,
+               grammar: Grammar | None = None) -> None:
         index = len(self.keys)
         key = RequestKey(HttpFrontend.tag, self.request_id, f"{self.request_id}-{index}")
         self.keys.append(key)
         self.frontend._routes[key] = (self.queue, index)
-        self.frontend.inbox.put(AddCommand(key, key.request_id, prompt_ids, params, stream, cache_salt))
+        self.frontend.inbox.put(AddCommand(key, key.request_id, prompt_ids, params, stream, cache_salt, grammar))
 
     def done(self, index: int, msg: Any) -> bool:
         """Whether `msg` ends sample `index`."""
@@ -183,9 +172,12 @@ class HttpFrontend:
         self._responses = Counter("meshserve_http_responses", "HTTP responses by path and status", ["path", "status"],
                                   registry=self.registry)
         self.tokenizer_api = TokenizerApi(tokenizer, vocab_size, max_model_len, model_name, self._in_thread)
+        self.chat_template = chat_template_source(tokenizer.hf.chat_template)
+        self.tool_format = tool_format_for(self.chat_template)
+        """How the model writes tool calls (engine/serving/tools), from its chat template."""
         self.app = build_app(self)
         open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
-        app = with_cors(_CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout),
+        app = with_cors(CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout),
                         list(cors_allowed_origins))
         self._server = uvicorn.Server(uvicorn.Config(
             app, http=limited_protocol(limits.max_connections, limits.read_timeout), log_level="warning",
@@ -309,26 +301,68 @@ class HttpFrontend:
             if req.echo:  # the prompt as sent, or the text of the token ids that stay
                 echo.append(prompt if isinstance(prompt, str) and not cut else
                             await self._in_thread(len(prompt_ids), self.tokenizer.decode, prompt_ids, False))
-        context = ChoiceContext(ids, req.n, echo or None, req.return_token_ids)
-        shapes = CompletionShapes(LogprobFormatter(self._token_text) if req.logprobs is not None else None, context)
-        return await self._generate(req, raw, ids, max_tokens, req.engine_logprobs, shapes, "prompt")
+        context = ChoiceContext(ids, req.n, echo or None, req.return_token_ids, req.prompt_logprobs is not None,
+                                req.echo and req.logprobs is not None)
+        formatter = LogprobFormatter(self._token_text)
+        shapes = CompletionShapes(formatter if req.logprobs is not None else None, context, formatter)
+        grammar = await self._grammar(grammar_spec(req))
+        return await self._generate(req, raw, ids, max_tokens, req.engine_logprobs, shapes, "prompt", grammar)
 
     async def chat(self, raw: Request) -> Response:
         req = parse_body(await raw.body(), ChatCompletionRequest, self.max_model_len)
         self._check_common(req)
         keep = req.prompt_keep(self.max_model_len)
         messages, chars = template_input(req.messages, self.max_model_len)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools or any(m.tool_calls or m.role == "tool" for m in req.messages):
+            messages, tool_kwargs = self._tool_messages(req)
+            kwargs |= tool_kwargs
         ids = await self._in_thread(chars + len(messages), encode_chat, self.tokenizer, messages,
-                                    req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+                                    req.add_generation_prompt, req.continue_final_message, kwargs)
         if keep is not None:
             ids = ids[-keep:]
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
-        context = ChoiceContext([ids], req.n, [req.echo_text()], req.return_token_ids)
-        shapes = ChatShapes(LogprobFormatter(self._token_text) if req.logprobs else None, context)
-        return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, shapes, "messages")
+        context = ChoiceContext([ids], req.n, [req.echo_text()], req.return_token_ids, req.prompt_logprobs is not None)
+        formatter = LogprobFormatter(self._token_text)
+        shapes = ChatShapes(formatter if req.logprobs else None, context,
+                            self.tool_format if req.uses_tools else None, formatter)
+        grammar = await self._grammar(self._chat_constraint(req))
+        return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, shapes, "messages", grammar)
+
+    def _tool_messages(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The conversation with its tools, calls and results as the model's template takes
+        them (engine/serving/tools). NOTE: with tool_choice "none" the tools stay out of the
+        prompt: the model is not to call them."""
+        tools = req.tools if req.tool_choice != "none" else None
+        try:
+            return render_messages([m.as_tool_input() for m in req.messages], tools, self.chat_template,
+                                   self.tool_format)
+        except ToolRequestError as e:
+            raise OpenAIError(400, str(e), param=e.param, code="invalid_value") from None
+
+    def _chat_constraint(self, req: ChatCompletionRequest) -> GrammarSpec | None:
+        """The output's constraint: the request's structured output, or a forced tool call's
+        (tool_choice required or named: the call's arguments follow the function's schema)."""
+        spec = grammar_spec(req)
+        forced = forced_call(req.tools, req.tool_choice, self.tool_format) if req.tools else None
+        if forced is None:
+            return spec
+        if spec is not None:
+            raise OpenAIError(400, f"{spec.param} and tool_choice={json.dumps(req.tool_choice)[:80]} both constrain "
+                                   f"the output: give one", param="tool_choice", code="invalid_value")
+        return GrammarSpec("json", json.dumps(forced.schema), forced.prefix, forced.suffix, "tool_choice")
+
+    async def _grammar(self, spec: GrammarSpec | None) -> Grammar | None:
+        """`spec` compiled on the tokenize pool (cached by spec), or a 400 naming its parameter."""
+        if spec is None:
+            return None
+        try:
+            return await self._in_thread(len(spec.value), self.grammars.compile, spec)
+        except RequestError as e:
+            raise engine_error(e.code, e.message, e.param) from None
 
     async def _generate(self, req, raw: Request, prompt_ids: list[list[int]], max_tokens: int,
-                        logprobs: int | None, shapes, prompt_param: str) -> Response:
+                        logprobs: int | None, shapes, prompt_param: str, grammar: Grammar | None = None) -> Response:
         """Submit req.num_samples engine requests per prompt (seed + j for sample j) and answer
         with `shapes`' choices, whole or streamed."""
         samples = []  # (prompt ids, params), sample index = prompt index * num_samples + j
@@ -348,7 +382,7 @@ class HttpFrontend:
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(raw, run.queue))
         try:
             for ids, params in samples:
-                run.submit(ids, params, req.stream, req.cache_salt)
+                run.submit(ids, params, req.stream, req.cache_salt, grammar)
             if req.stream:
                 first = await self._first_replies(run)
             else:
@@ -420,7 +454,8 @@ class HttpFrontend:
         usage = usage_dict(sum(len(p) for p in prompt_ids), sum(c.usage.completion_tokens for c in results),
                            cached_tokens({i: c.usage for i, c in enumerate(results)}, per_prompt))
         choices = [shapes.choice(i, c) for i, c in enumerate(best_of(results, per_prompt, n))]
-        body = self._header(run) | {"object": shapes.object, "choices": choices, "usage": usage} | shapes.top_level()
+        body = self._header(run) | {"object": shapes.object, "choices": choices, "usage": usage} | shapes.top_level(
+            results)
         return JSONResponse(body, headers=headers)
 
     async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], usage: str | None, prompt_ids,
@@ -525,168 +560,3 @@ async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
         if message["type"] == "http.disconnect":
             queue.put_nowait((None, DISCONNECTED))
             return
-
-
-class _CountingApp:
-    """ASGI wrapper: counts responses by path and status, checks the API key (401), refuses
-    oversized bodies (413) before anything reads them and slow ones (408), and answers an
-    exception nobody handled with a 500 in OpenAI's shape."""
-
-    def __init__(self, app, counter: Counter, api_key: str | None, open_paths: tuple[str, ...],
-                 read_timeout: float):
-        self.app, self.counter, self.open_paths, self.read_timeout = app, counter, open_paths, read_timeout
-        self._api_key = None if api_key is None else api_key.encode()
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._api_key)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"] if scope["path"] in COUNTED_PATHS else "other"
-        started = False
-
-        async def counting_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                self.counter.labels(path, str(message["status"])).inc()
-            await send(message)
-
-        headers = dict(scope.get("headers") or [])
-        if self._api_key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
-            err = OpenAIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` with the key of "
-                                   "server.api_key", code="invalid_api_key")
-            return await JSONResponse(err.body(), err.status, headers={"WWW-Authenticate": "Bearer"})(
-                scope, receive, counting_send)
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            err = OpenAIError(413, f"the request body has {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
-                              code="request_too_large")
-            return await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
-        received, body_done = 0, False
-        deadline = asyncio.get_running_loop().time() + self.read_timeout
-
-        async def limited_receive():
-            nonlocal received, body_done
-            if body_done:  # after the body: only a disconnect can come, whenever it comes
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
-            except TimeoutError:
-                raise BodyTimeout() from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > MAX_BODY_BYTES:
-                    raise BodyTooLarge()
-                body_done = not message.get("more_body", False)
-            return message
-
-        try:
-            await self.app(scope, limited_receive, counting_send)
-        except Exception:  # noqa: BLE001 - the app's handler answered and logged it, unless nothing started
-            if not started:
-                request_id = uuid.uuid4().hex
-                log.exception("request %s: internal error", request_id)
-                err = internal_error(request_id)
-                await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
-
-
-def internal_error(request_id: str) -> OpenAIError:
-    return OpenAIError(500, f"internal server error (request id {request_id}; the server log has the details)",
-                       type="server_error", code="internal_error")
-
-
-def build_app(frontend: HttpFrontend) -> FastAPI:
-    app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve server")
-    install_error_handlers(app)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await frontend.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await frontend.chat(request)
-
-    @app.get("/v1/models")
-    async def models():
-        return frontend.models()
-
-    @app.get("/health")
-    async def health():
-        status, body = frontend.health()
-        return JSONResponse(body, status)
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        return await frontend.reset_prefix_cache()
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(frontend.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await frontend.tokenizer_api.tokenize(await request.body())
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await frontend.tokenizer_api.detokenize(await request.body())
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        return frontend.tokenizer_api.info()
-
-    @app.get("/version")
-    async def version():
-        return {"version": meshserve_version()}
-
-    return app
-
-
-def with_cors(app, allowed_origins: list[str]) -> CORSMiddleware:
-    """`app` behind CORS for `allowed_origins` (vLLM's defaults otherwise: any method and
-    header, no credentials). NOTE: outside the API key check, so a preflight (which a browser
-    sends without credentials) is answered without one; and every answer, 401s included,
-    carries the headers that let a web page read it."""
-    return CORSMiddleware(app, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
-                          allow_credentials=False, expose_headers=[IGNORED_HEADER])
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves in OpenAI's shape; an unexpected one as a 500 with a request id."""
-
-    def error(err: OpenAIError, headers=None) -> JSONResponse:
-        return JSONResponse(err.body(), err.status, headers=headers)
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError):
-        return error(exc)
-
-    @app.exception_handler(BodyTooLarge)
-    async def _body_too_large(request: Request, exc: BodyTooLarge):
-        return error(OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"))
-
-    @app.exception_handler(BodyTimeout)
-    async def _body_timeout(request: Request, exc: BodyTimeout):
-        return error(OpenAIError(408, "the request body did not arrive whole within the read timeout "
-                                      "(server.http_limits.read_timeout)", code="request_timeout"),
-                     headers={"Connection": "close"})
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, exc: ClientDisconnected):
-        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
-        return error(err, getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        request_id = uuid.uuid4().hex
-        log.error("request %s: internal error", request_id, exc_info=exc)
-        return error(internal_error(request_id))

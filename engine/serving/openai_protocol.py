@@ -1,12 +1,13 @@
-"""OpenAI's HTTP API as meshserve serves it: request models, errors, and the response and
-stream-chunk shapes of /v1/completions and /v1/chat/completions.
+"""OpenAI's HTTP API as meshserve serves it: the request models and errors of
+/v1/completions and /v1/chat/completions (openai_shapes.py has the responses).
 
 Requests are pydantic models that refuse unknown fields, as OpenAI's API does (a typo such
 as `max_token` is a 400, not silently ignored). Parameters meshserve cannot honour
-(suffix, prompt_logprobs, beam search, ...) are a 400 naming the parameter unless they are
-left at their no-op value. Extensions (vLLM's names): top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output,
-return_token_ids, truncate_prompt_tokens, cache_salt; on chat also echo,
+(suffix, beam search, ...) are a 400 naming the parameter unless they are left at their
+no-op value. Extensions (vLLM's names): top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, prompt_logprobs,
+return_token_ids, truncate_prompt_tokens, cache_salt, structured_outputs and the older
+guided_json / guided_regex / guided_choice / guided_grammar; on chat also echo,
 add_generation_prompt, continue_final_message, chat_template_kwargs.
 """
 
@@ -14,15 +15,15 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.comm import messages as bounds
-from meshserve.comm.messages import Completion, Delta, ErrorCode, SamplingParams, TokenLogprob, Usage
+from meshserve.comm.messages import ErrorCode, SamplingParams
 from meshserve.engine.admission import RequestError, check_params
+from meshserve.engine.serving.tools import ToolRequestError, validate_tool_request
 
 MAX_N = 128
 """Most samples (n x prompts) one HTTP request may ask for."""
@@ -96,9 +97,7 @@ class _Strict(BaseModel):
 
 UNSUPPORTED: dict[str, Any] = {
     "typical_p": 1.0, "length_penalty": 1.0, "use_beam_search": False,
-    "prompt_logprobs": None, "logits_processors": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "chat_template": None, "mirostat": 0, "n_probs": 0,
+    "logits_processors": None, "chat_template": None, "mirostat": 0, "n_probs": 0,
     "functions": None, "function_call": None,
 }
 """Other servers' parameters that change what is generated (vLLM's and llama.cpp's names),
@@ -130,6 +129,23 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's extension: every chunk carries the usage so far."""
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -166,6 +182,15 @@ class _SamplingRequest(_Strict):
     """The prompt's token ids and each choice's (vLLM 0.10's `prompt_token_ids`, `token_ids`)."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=bounds.INT32_MAX)] | None = None
     """Keep only the prompt's last k tokens; -1: the model's maximum context."""
+    prompt_logprobs: Annotated[int, field(bounds.LOGPROBS)] | None = None
+    """Each prompt token's logprob and the top n (the first token has none)."""
+    # structured outputs (structured_request.py turns them into one constraint)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def num_samples(self) -> int:
@@ -182,6 +207,11 @@ class _SamplingRequest(_Strict):
                                    f"maximum context), or -1 for all it holds", param="truncate_prompt_tokens",
                               code="invalid_value")
         return max_model_len if k == -1 else k
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to ask the engine for."""
+        return self.prompt_logprobs
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -203,7 +233,8 @@ class _SamplingRequest(_Strict):
                   "seed": seed, "stop": stop, "stop_token_ids": list(self.stop_token_ids or []),
                   "ignore_eos": self.ignore_eos, "logprobs": logprobs,
                   "skip_special_tokens": self.skip_special_tokens,
-                  "include_stop_str_in_output": self.include_stop_str_in_output, "logit_bias": self._logit_bias()}
+                  "include_stop_str_in_output": self.include_stop_str_in_output, "logit_bias": self._logit_bias(),
+                  "prompt_logprobs": self.engine_prompt_logprobs}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
@@ -245,10 +276,6 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            # NOTE: echo with logprobs needs the prompt's logprobs (prompt_logprobs), not served yet
-            raise OpenAIError(400, "echo together with logprobs is not supported by this server", param="echo",
-                              code="unsupported_parameter")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported by this server", param="suffix",
                               code="unsupported_parameter")
@@ -263,6 +290,14 @@ class CompletionRequest(_SamplingRequest):
     def num_samples(self) -> int:
         """best_of samples per prompt (n unless best_of says more)."""
         return self.best_of or self.n
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to ask the engine for: the client's, or, with echo and
+        logprobs, as many as the echoed prompt's legacy logprobs show (OpenAI's shape)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @property
     def engine_logprobs(self) -> int | None:
@@ -293,14 +328,25 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's calls (OpenAI's {"id", "type": "function", "function": {"name", "arguments"}})."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
     def as_template_input(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
 
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+    def as_tool_input(self) -> dict[str, Any]:
+        """The message as engine/serving/tools renders it: its calls and the call it answers kept."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        for name in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 CHAT_TEMPLATE_RESERVED = frozenset({
@@ -329,9 +375,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Annotated[int, field(bounds.LOGPROBS)] | None = None
     max_completion_tokens: Annotated[int, field(bounds.MAX_TOKENS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    """Accepted; a forced call (tool_choice required or named) is one call."""
     # extensions (vLLM's names)
     echo: bool = False
     """The reply starts with the last message's content if that message is the assistant's."""
@@ -343,9 +390,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise OpenAIError(400, "tools are not supported by this server", param="tools",
-                              code="unsupported_parameter")
+        try:
+            validate_tool_request(self.tools, self.tool_choice)
+        except ToolRequestError as e:
+            raise OpenAIError(400, str(e), param=e.param, code="invalid_value") from None
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         check_template_flags(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
@@ -354,199 +402,13 @@ class ChatCompletionRequest(_SamplingRequest):
         """What the reply starts with (vLLM's echo): the last message's content if it is the
         assistant's, else nothing."""
         last = self.messages[-1]
-        return last.as_template_input()["content"] if self.echo and last.role == "assistant" else ""
+        return last.text if self.echo and last.role == "assistant" else ""
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the reply is read for tool calls (tools given and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-# ---------------------------------------------------------------- responses
-
-
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens` (once known, at the end): prompt tokens whose KV
-    came from the prefix cache."""
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return usage
-
-
-def cached_tokens(usages: dict[int, Usage], n: int) -> int:
-    """The usage's cached tokens: those of each prompt's first sample (sample i * n), as
-    prompt_tokens counts each prompt once however many samples it has."""
-    return sum(u.cached_tokens for index, u in usages.items() if index % n == 0)
-
-
-def best_of(results: list[Completion], per_prompt: int, n: int) -> list[Completion]:
-    """vLLM's best_of: of each prompt's `per_prompt` samples (consecutive in `results`), the
-    `n` whose sampled tokens have the highest cumulative logprob, best first."""
-    if per_prompt == n:
-        return results
-    chosen = []
-    for start in range(0, len(results), per_prompt):
-        group = results[start:start + per_prompt]
-        chosen += sorted(group, key=lambda c: sum(lp.logprob for lp in c.logprobs or []), reverse=True)[:n]
-    return chosen
-
-
-@dataclass(frozen=True)
-class ChoiceContext:
-    """What the choices of one response carry besides the engine's output. Choice i answers
-    prompt i // n."""
-
-    prompt_ids: list[list[int]]
-    n: int = 1
-    echo: list[str] | None = None
-    """Each prompt's text that precedes its choices' output (echo); None: nothing."""
-    token_ids: bool = False
-    """vLLM's return_token_ids: the prompt's token ids and each choice's."""
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompt_ids) * self.n
-
-    def echo_text(self, index: int) -> str:
-        return self.echo[index // self.n] if self.echo else ""
-
-    def prompt_token_ids(self, index: int) -> list[int]:
-        return self.prompt_ids[index // self.n]
-
-
-class LogprobFormatter:
-    """Token logprobs in the two shapes OpenAI uses (legacy completions, chat)."""
-
-    def __init__(self, token_text):
-        self.token_text = token_text
-        """token id -> its text (cached by the caller)."""
-
-    def completion(self, logprobs: list[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
-        """Legacy `logprobs` object of the completions API, and the text offset after it."""
-        tokens, offsets, tops = [], [], []
-        for lp in logprobs:
-            text = self.token_text(lp.token_id)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-            top = {text: lp.logprob}
-            for tid, value in lp.top:
-                top.setdefault(self.token_text(tid), value)
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
-                "text_offset": offsets}, offset
-
-    def chat(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        def entry(tid: int, value: float) -> dict[str, Any]:
-            text = self.token_text(tid)
-            return {"token": text, "logprob": value, "bytes": list(text.encode())}
-
-        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in logprobs]}
-
-
-class CompletionShapes:
-    """Choices of /v1/completions, whole or as stream chunks."""
-
-    object = "text_completion"
-    chunk_object = "text_completion"
-    id_prefix = "cmpl-"
-
-    def __init__(self, logprobs: LogprobFormatter | None, context: ChoiceContext | None = None):
-        self.logprobs = logprobs
-        self.context = context or ChoiceContext([])
-        self._offsets: dict[int, int] = {}
-        self._started: set[int] = set()
-
-    def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        if self.logprobs is None or logprobs is None:
-            return None
-        out, self._offsets[index] = self.logprobs.completion(logprobs, self._offsets.get(index, 0))
-        return out
-
-    def choice(self, index: int, c: Completion) -> dict[str, Any]:
-        out = {"index": index, "text": self.context.echo_text(index) + c.text,
-               "logprobs": self._logprobs(index, c.logprobs or []), "finish_reason": c.finish_reason,
-               "stop_reason": c.stop_reason}
-        if self.context.token_ids:
-            out |= {"token_ids": c.token_ids, "prompt_token_ids": self.context.prompt_token_ids(index)}
-        return out
-
-    def chunk_choice(self, index: int, d: Delta) -> dict[str, Any]:
-        """The first chunk of a choice starts with the echoed prompt and carries the prompt's
-        token ids (vLLM's shapes)."""
-        first = index not in self._started
-        self._started.add(index)
-        echo = self.context.echo_text(index) if first else ""
-        out = {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d.logprobs or []),
-               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-        if self.context.token_ids:
-            out["token_ids"] = d.token_ids
-            if first:
-                out["prompt_token_ids"] = self.context.prompt_token_ids(index)
-        return out
-
-    def opening(self) -> list[dict[str, Any]]:
-        """Chunks sent before the engine's first output: none."""
-        return []
-
-    def top_level(self) -> dict[str, Any]:
-        """Fields of the whole response besides the header, choices and usage: none."""
-        return {}
-
-
-class ChatShapes:
-    """Choices of /v1/chat/completions, whole or as stream chunks."""
-
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-    id_prefix = "chatcmpl-"
-
-    def __init__(self, logprobs: LogprobFormatter | None, context: ChoiceContext | None = None):
-        self.logprobs = logprobs
-        self.context = context or ChoiceContext([])
-
-    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        return None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)
-
-    def choice(self, index: int, c: Completion) -> dict[str, Any]:
-        out = {"index": index, "message": {"role": "assistant", "content": self.context.echo_text(index) + c.text},
-               "logprobs": self._logprobs(c.logprobs or []), "finish_reason": c.finish_reason,
-               "stop_reason": c.stop_reason}
-        if self.context.token_ids:
-            out["token_ids"] = c.token_ids
-        return out
-
-    def chunk_choice(self, index: int, d: Delta) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": d.text}
-        out = {"index": index, "delta": delta, "logprobs": self._logprobs(d.logprobs or []),
-               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-        if self.context.token_ids:
-            out["token_ids"] = d.token_ids
-        return out
-
-    def opening(self) -> list[dict[str, Any]]:
-        """Chunks sent before the engine's first output, as OpenAI and vLLM send them: each
-        choice's first chunk names the role and nothing else (`content` ""; a client that
-        reads the first chunk as the role's loses no text), with the prompt's token ids if
-        asked; then, with echo, a chunk of the echoed text per choice."""
-        chunks = []
-        for i in range(self.context.num_choices):
-            chunk: dict[str, Any] = {"choices": [self._bare(i, {"role": "assistant", "content": ""})]}
-            if self.context.token_ids:
-                chunk["prompt_token_ids"] = self.context.prompt_token_ids(i)
-            chunks.append(chunk)
-        for i in range(self.context.num_choices):
-            if self.context.echo_text(i):
-                chunks.append({"choices": [self._bare(i, {"content": self.context.echo_text(i)})]})
-        return chunks
-
-    @staticmethod
-    def _bare(index: int, delta: dict[str, Any]) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}
-
-    def top_level(self) -> dict[str, Any]:
-        """Fields of the whole response besides the header, choices and usage: vLLM puts the
-        prompt's token ids there (return_token_ids)."""
-        return {"prompt_token_ids": self.context.prompt_ids[0]} if self.context.token_ids else {}

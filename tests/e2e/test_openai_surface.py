@@ -22,7 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.configs.schema import Config
-from meshserve.engine.serving.http_frontend import _CountingApp, with_cors
+from meshserve.engine.serving.http_app import CountingApp, with_cors
 from support.checkpoints import smollm2_tokenizer
 from support.server import MeshserveProcess, free_port, http_url
 
@@ -193,7 +193,7 @@ def test_cors_default_allows_any_origin():
         await send({"type": "http.response.body", "body": b"ok"})
 
     counter = Counter("cors_responses", "c", ["path", "status"], registry=CollectorRegistry())
-    app = with_cors(_CountingApp(inner, counter, "key", ("/health",), 5.0), Config().server.cors_allowed_origins)
+    app = with_cors(CountingApp(inner, counter, "key", ("/health",), 5.0), Config().server.cors_allowed_origins)
 
     async def calls():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.comm.messages import SamplingParams
-from meshserve.engine.serving.http_frontend import _CountingApp, install_error_handlers
+from meshserve.engine.serving.http_app import CountingApp, install_error_handlers
 from meshserve.engine.serving.openai_protocol import MAX_N, ChatCompletionRequest, CompletionRequest, OpenAIError
 from meshserve.engine.serving.request_body import MAX_FIELD_BYTES, parse_body
 from meshserve.engine.admission import PROBE_CHARS_PER_TOKEN, RequestError, encode_prompt
@@ -112,7 +112,7 @@ def test_an_unexpected_exception_is_a_500_without_its_text(caplog):
         raise KeyError("internal detail 0")
 
     counter = Counter("t_responses", "t", ["path", "status"], registry=CollectorRegistry())
-    wrapped = _CountingApp(app, counter, None, ("/health",), 5.0)
+    wrapped = CountingApp(app, counter, None, ("/health",), 5.0)
     transport = httpx.ASGITransport(app=wrapped, raise_app_exceptions=False)
 
     async def get():
@@ -175,7 +175,7 @@ def test_metrics_need_the_api_key_unless_public(public):
 
     counter = Counter("m_responses", "m", ["path", "status"], registry=CollectorRegistry())
     open_paths = ("/health", "/metrics") if public else ("/health",)
-    transport = httpx.ASGITransport(app=_CountingApp(app, counter, "key", open_paths, 5.0))
+    transport = httpx.ASGITransport(app=CountingApp(app, counter, "key", open_paths, 5.0))
 
     async def get(headers):
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -43,11 +43,12 @@ shapes), render.py (the prompt), constraints.py (forced calls), validation.py (r
 from .constraints import ToolConstraint, forced_call
 from .formats import FORMATS, HERMES, LLAMA3_JSON, HermesFormat, Llama3JsonFormat, ToolFormat, tool_format_for
 from .output import ParsedMessage, ToolCallStream
-from .render import render_messages, template_uses_tools
+from .render import chat_template_source, render_messages, template_uses_tools
 from .validation import ToolRequestError, validate_tool_choice, validate_tool_request, validate_tools
 
 __all__ = [
     "FORMATS", "HERMES", "LLAMA3_JSON", "HermesFormat", "Llama3JsonFormat", "ParsedMessage", "ToolCallStream",
-    "ToolConstraint", "ToolFormat", "ToolRequestError", "forced_call", "render_messages", "template_uses_tools",
+    "ToolConstraint", "ToolFormat", "ToolRequestError", "chat_template_source", "forced_call", "render_messages",
+    "template_uses_tools",
     "tool_format_for", "validate_tool_choice", "validate_tool_request", "validate_tools",
 ]

@@ -21,6 +21,14 @@ from .validation import ToolRequestError
 Message = dict[str, Any]
 
 
+def chat_template_source(template: str | dict[str, str] | None) -> str | None:
+    """A tokenizer's chat template as text: of named templates (Hugging Face's dict), the
+    "tool_use" one, which transformers picks when tools are given, else the "default"."""
+    if isinstance(template, dict):
+        return template.get("tool_use") or template.get("default")
+    return template
+
+
 def template_uses_tools(template_source: str | None) -> bool:
     """Whether a chat template renders tools itself (its source reads a `tools` variable)."""
     return template_source is not None and re.search(r"\btools\b", template_source) is not None

@@ -1,0 +1,208 @@
+"""The ASGI side of the HTTP frontend: the routes (build_app), the wrapper that counts
+responses, checks the API key and bounds bodies (CountingApp), CORS, and the error handlers
+that answer in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from meshserve.engine.serving.openai_protocol import OpenAIError
+from meshserve.engine.serving.request_body import MAX_BODY_BYTES
+from meshserve.engine.serving.tokenize_api import meshserve_version
+
+if TYPE_CHECKING:
+    from meshserve.engine.serving.http_frontend import HttpFrontend
+
+log = logging.getLogger("meshserve.engine.serving.http_frontend")
+
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+                 "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
+IGNORED_HEADER = "x-meshserve-ignored-fields"
+"""Response header naming the request's fields this server ignored (comma-separated)."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response started."""
+
+
+class BodyTooLarge(Exception):
+    """A body sent without Content-Length (chunked) grew past MAX_BODY_BYTES while read."""
+
+
+class BodyTimeout(Exception):
+    """The body did not arrive whole within the read timeout."""
+
+
+class CountingApp:
+    """ASGI wrapper: counts responses by path and status, checks the API key (401), refuses
+    oversized bodies (413) before anything reads them and slow ones (408), and answers an
+    exception nobody handled with a 500 in OpenAI's shape."""
+
+    def __init__(self, app, counter: Counter, api_key: str | None, open_paths: tuple[str, ...],
+                 read_timeout: float):
+        self.app, self.counter, self.open_paths, self.read_timeout = app, counter, open_paths, read_timeout
+        self._api_key = None if api_key is None else api_key.encode()
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._api_key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in COUNTED_PATHS else "other"
+        started = False
+
+        async def counting_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.counter.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        headers = dict(scope.get("headers") or [])
+        if self._api_key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
+            err = OpenAIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` with the key of "
+                                   "server.api_key", code="invalid_api_key")
+            return await JSONResponse(err.body(), err.status, headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, counting_send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            err = OpenAIError(413, f"the request body has {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
+                              code="request_too_large")
+            return await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
+        received, body_done = 0, False
+        deadline = asyncio.get_running_loop().time() + self.read_timeout
+
+        async def limited_receive():
+            nonlocal received, body_done
+            if body_done:  # after the body: only a disconnect can come, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                raise BodyTimeout() from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise BodyTooLarge()
+                body_done = not message.get("more_body", False)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, counting_send)
+        except Exception:  # noqa: BLE001 - the app's handler answered and logged it, unless nothing started
+            if not started:
+                request_id = uuid.uuid4().hex
+                log.exception("request %s: internal error", request_id)
+                err = internal_error(request_id)
+                await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
+
+
+def internal_error(request_id: str) -> OpenAIError:
+    return OpenAIError(500, f"internal server error (request id {request_id}; the server log has the details)",
+                       type="server_error", code="internal_error")
+
+
+def build_app(frontend: HttpFrontend) -> FastAPI:
+    app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve server")
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await frontend.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await frontend.chat(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return frontend.models()
+
+    @app.get("/health")
+    async def health():
+        status, body = frontend.health()
+        return JSONResponse(body, status)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return await frontend.reset_prefix_cache()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(frontend.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await frontend.tokenizer_api.tokenize(await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await frontend.tokenizer_api.detokenize(await request.body())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return frontend.tokenizer_api.info()
+
+    @app.get("/version")
+    async def version():
+        return {"version": meshserve_version()}
+
+    return app
+
+
+def with_cors(app, allowed_origins: list[str]) -> CORSMiddleware:
+    """`app` behind CORS for `allowed_origins` (vLLM's defaults otherwise: any method and
+    header, no credentials). NOTE: outside the API key check, so a preflight (which a browser
+    sends without credentials) is answered without one; and every answer, 401s included,
+    carries the headers that let a web page read it."""
+    return CORSMiddleware(app, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                          allow_credentials=False, expose_headers=[IGNORED_HEADER])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape; an unexpected one as a 500 with a request id."""
+
+    def error(err: OpenAIError, headers=None) -> JSONResponse:
+        return JSONResponse(err.body(), err.status, headers=headers)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return error(exc)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(request: Request, exc: BodyTooLarge):
+        return error(OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"))
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, exc: BodyTimeout):
+        return error(OpenAIError(408, "the request body did not arrive whole within the read timeout "
+                                      "(server.http_limits.read_timeout)", code="request_timeout"),
+                     headers={"Connection": "close"})
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        return error(err, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        request_id = uuid.uuid4().hex
+        log.error("request %s: internal error", request_id, exc_info=exc)
+        return error(internal_error(request_id))

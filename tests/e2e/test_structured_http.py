@@ -1,0 +1,228 @@
+"""End to end: structured outputs, tool calling and prompt logprobs through a real
+`meshserve serve` (built-in SmolLM2, one CPU rank), driven by the real `openai` package:
+response_format (json_schema strict, json_object), vLLM's structured_outputs and guided_*,
+tools with tool_choice auto / required / named, whole and streamed (the deltas reassembled),
+tool results in the conversation, prompt_logprobs and echo with logprobs; bad input is a 400
+naming the parameter and the server keeps serving.
+
+Oracles: jsonschema (a validator nobody here wrote) for every structured output and every
+forced call's arguments; transformers' log-softmax for prompt logprobs; the same server's
+unconstrained output for what a constraint must not change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel
+
+from support.reference import hf_logits, hf_model
+from support.schemas import CHOICES, PROMPTS, REGEX, SCHEMAS
+from support.server import MeshserveProcess, free_port, http_url
+
+MAX_MODEL_LEN = 1024
+TIMEOUT = 300.0
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory) -> str:
+    proc = MeshserveProcess(
+        ["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}",
+         "--set", "server.http=127.0.0.1:0", "--set", f"model.max_model_len={MAX_MODEL_LEN}",
+         "--set", "cache.memory=96MiB", "--set", "scheduler.max_num_seqs=16"],
+        tmp_path_factory.mktemp("structured_http"))
+    try:
+        yield http_url(proc.wait_ready(240))
+        assert proc.proc.poll() is None, f"the server died:\n{proc.tail()}"
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def oai(url) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+        yield c
+
+
+def chat(oai, messages, **kw):
+    return oai.chat.completions.create(messages=messages, model="smollm2-135m-instruct", **kw)
+
+
+@pytest.mark.slow
+def test_response_format_json_schema_and_json_object(oai):
+    for name in ("person", "order"):
+        r = chat(oai, [{"role": "user", "content": PROMPTS[name]}], max_tokens=200, temperature=0,
+                 response_format={"type": "json_schema",
+                                  "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name])
+    r = chat(oai, [{"role": "user", "content": "Describe a cat as JSON."}], max_tokens=80, temperature=0.7, seed=3,
+             response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.startswith("{") and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+
+
+def test_openai_parse_helper_with_a_pydantic_model(oai):
+    class City(BaseModel):
+        name: str
+        population_millions: float
+        country: str
+
+    r = oai.chat.completions.parse(model="smollm2-135m-instruct", max_tokens=120, temperature=0, response_format=City,
+                                   messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    assert isinstance(r.choices[0].message.parsed, City)
+
+
+def test_vllm_structured_outputs_and_guided_names_on_both_endpoints(oai):
+    r = chat(oai, [{"role": "user", "content": "Pick a city."}], max_tokens=10, temperature=0.9, seed=1,
+             extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert r.choices[0].message.content in CHOICES
+    r = chat(oai, [{"role": "user", "content": "A city and a number."}], max_tokens=20, temperature=0,
+             extra_body={"guided_regex": REGEX})
+    assert re.fullmatch(REGEX, r.choices[0].message.content)
+    c = oai.completions.create(model="smollm2-135m-instruct", prompt="My favourite city is", max_tokens=10,
+                               temperature=0, extra_body={"guided_choice": CHOICES})
+    assert c.choices[0].text in CHOICES
+    c = oai.completions.create(model="smollm2-135m-instruct", prompt="A sentiment as JSON:", max_tokens=120,
+                               temperature=0, extra_body={"guided_json": SCHEMAS["sentiment"]})
+    jsonschema.validate(json.loads(c.choices[0].text), SCHEMAS["sentiment"])
+    grammar = 'root ::= "yes" | "no"'
+    c = oai.completions.create(model="smollm2-135m-instruct", prompt="Is Paris in France?", max_tokens=5,
+                               temperature=0, extra_body={"structured_outputs": {"grammar": grammar}})
+    assert c.choices[0].text in ("yes", "no")
+
+
+def test_a_constrained_and_an_unconstrained_request_share_steps(oai):
+    """n=1 requests sent together: the unconstrained one gets exactly what it gets alone."""
+    import concurrent.futures
+
+    plain = dict(max_tokens=24, temperature=0)
+    alone = chat(oai, ASK, **plain).choices[0].message.content
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, oai, ASK, **plain)] + [
+            pool.submit(chat, oai, [{"role": "user", "content": PROMPTS["sentiment"]}], max_tokens=120,
+                        temperature=0, response_format={"type": "json_schema", "json_schema": {
+                            "name": "s", "schema": SCHEMAS["sentiment"]}}) for _ in range(3)]
+        results = [f.result() for f in futures]
+    assert results[0].choices[0].message.content == alone
+    for r in results[1:]:
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS["sentiment"])
+
+
+def check_call(call, tool):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_tool_choice_required_and_named_always_call(oai):
+    r = chat(oai, ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=120, temperature=0.8, seed=5)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1
+    check_call(msg.tool_calls[0], WEATHER if msg.tool_calls[0].function.name == "get_weather" else ADD)
+    r = chat(oai, [{"role": "user", "content": "What is 2 plus 3?"}], tools=[WEATHER, ADD], max_tokens=120,
+             temperature=0, tool_choice={"type": "function", "function": {"name": "add"}})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    check_call(r.choices[0].message.tool_calls[0], ADD)
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_whole_reply(oai):
+    kw = dict(tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=0)
+    whole = chat(oai, ASK, **kw).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chat(oai, ASK, stream=True, **kw):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+    assert finish == "tool_calls" and len(calls) == 1
+    want = whole.message.tool_calls[0].function
+    assert calls[0]["name"] == want.name and json.loads(calls[0]["arguments"]) == json.loads(want.arguments)
+    with oai.chat.completions.stream(model="smollm2-135m-instruct", messages=ASK, **kw) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_tool_choice_auto_and_none_and_a_tool_result_turn(oai):
+    r = chat(oai, ASK, tools=[WEATHER], tool_choice="auto", max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    if choice.message.tool_calls:  # a 135M model may or may not call: either way a well-formed reply
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+    r = chat(oai, ASK, tools=[WEATHER], tool_choice="none", max_tokens=20, temperature=0)
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content
+    turn = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    r = chat(oai, turn, tools=[WEATHER], max_tokens=30, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_prompt_logprobs_and_echo_with_logprobs_match_transformers(url, smollm2):
+    prompt = "The capital of France is"
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        body = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                   "prompt_logprobs": 2, "echo": True, "logprobs": 1}).json()
+        ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    want = torch.log_softmax(hf_logits(hf_model(smollm2), ids), dim=-1)
+    choice = body["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = got[pos][str(ids[pos])]
+        assert entry["logprob"] == pytest.approx(float(want[pos - 1, ids[pos]]), abs=2e-3)
+    legacy = choice["logprobs"]
+    assert choice["text"].startswith(prompt)
+    assert legacy["token_logprobs"][0] is None and len(legacy["tokens"]) == len(ids) + 2
+    assert legacy["token_logprobs"][1] == pytest.approx(float(want[0, ids[1]]), abs=2e-3)
+    assert "".join(legacy["tokens"][:len(ids)]) == prompt
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+])
+def test_bad_input_is_a_400_naming_the_parameter_and_the_server_keeps_serving(url, body, param):
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2} | body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+        ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
+        assert ok.status_code == 200
