@@ -11,7 +11,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -29,6 +29,29 @@ COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v
                  "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
 IGNORED_HEADER = "x-meshserve-ignored-fields"
 """Response header naming the request's fields this server ignored (comma-separated)."""
+
+
+class StreamError(Exception):
+    """An error reply after a stream's headers went out."""
+
+    def __init__(self, error: OpenAIError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that release their engine requests however the response ends (also
+    when the client leaves before the first chunk, so the generator never starts)."""
+
+    def __init__(self, events, on_close, headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"} | headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class ClientDisconnected(Exception):
@@ -125,6 +148,10 @@ def build_app(frontend: HttpFrontend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await frontend.chat(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await frontend.responses.create(request)
 
     @app.get("/v1/models")
     async def models():

@@ -31,13 +31,14 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import msgspec
 import uvicorn
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.comm.messages import Completion, Delta, ErrorReply, SamplingParams, Usage
@@ -48,8 +49,9 @@ from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionReque
                                                       ignored_fields)
 from meshserve.engine.serving.openai_shapes import (ChatShapes, ChoiceContext, CompletionShapes, LogprobFormatter,
                                                     best_of, cached_tokens, usage_dict)
-from meshserve.engine.serving.http_app import (IGNORED_HEADER, ClientDisconnected, CountingApp, build_app,
-                                               with_cors)
+from meshserve.engine.serving.http_app import (IGNORED_HEADER, ClientDisconnected, CountingApp, EventStream,
+                                               StreamError, build_app, with_cors)
+from meshserve.engine.serving.responses_api import ResponsesApi
 from meshserve.engine.serving.http_protocol import limited_protocol
 from meshserve.engine.serving.request_body import parse_body
 from meshserve.engine.serving.tokenize_api import TokenizerApi, encode_chat, template_input
@@ -94,6 +96,22 @@ def bind_socket(address: str) -> socket.socket:
         raise OSError(f"server.http={address}: cannot bind ({e.strerror or e})") from None
     sock.setblocking(False)
     return sock
+
+
+@dataclass
+class Generation:
+    """The engine requests of one HTTP request, submitted: whole results, or (streamed) each
+    sample's first delta."""
+
+    run: "_Samples"
+    shapes: Any
+    prompt_ids: list[list[int]]
+    per_prompt: int
+    """Samples per prompt (best_of)."""
+    n: int
+    """Choices per prompt."""
+    results: list[Completion] | None = None
+    first: list[tuple[int, Delta]] | None = None
 
 
 class _Samples:
@@ -175,6 +193,7 @@ class HttpFrontend:
         self.chat_template = chat_template_source(tokenizer.hf.chat_template)
         self.tool_format = tool_format_for(self.chat_template)
         """How the model writes tool calls (engine/serving/tools), from its chat template."""
+        self.responses = ResponsesApi(self)
         self.app = build_app(self)
         open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
         app = with_cors(CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout),
@@ -311,6 +330,16 @@ class HttpFrontend:
     async def chat(self, raw: Request) -> Response:
         req = parse_body(await raw.body(), ChatCompletionRequest, self.max_model_len)
         self._check_common(req)
+        return await self._generate(req, raw, *await self.prepare_chat(req))
+
+    async def start_chat(self, req: ChatCompletionRequest, raw: Request) -> Generation:
+        """A chat request another API translated (responses_api.py), submitted."""
+        self._check_common(req)
+        return await self._start(req, raw, *await self.prepare_chat(req))
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> tuple:
+        """What a chat request's generation needs: (prompt ids, max_tokens, logprobs, shapes,
+        the prompt's parameter name, the compiled constraint)."""
         keep = req.prompt_keep(self.max_model_len)
         messages, chars = template_input(req.messages, self.max_model_len)
         kwargs = dict(req.chat_template_kwargs or {})
@@ -327,7 +356,7 @@ class HttpFrontend:
         shapes = ChatShapes(formatter if req.logprobs else None, context,
                             self.tool_format if req.uses_tools else None, formatter)
         grammar = await self._grammar(self._chat_constraint(req))
-        return await self._generate(req, raw, [ids], max_tokens, req.engine_logprobs, shapes, "messages", grammar)
+        return [ids], max_tokens, req.engine_logprobs, shapes, "messages", grammar
 
     def _tool_messages(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The conversation with its tools, calls and results as the model's template takes
@@ -361,10 +390,11 @@ class HttpFrontend:
         except RequestError as e:
             raise engine_error(e.code, e.message, e.param) from None
 
-    async def _generate(self, req, raw: Request, prompt_ids: list[list[int]], max_tokens: int,
-                        logprobs: int | None, shapes, prompt_param: str, grammar: Grammar | None = None) -> Response:
-        """Submit req.num_samples engine requests per prompt (seed + j for sample j) and answer
-        with `shapes`' choices, whole or streamed."""
+    async def _start(self, req, raw: Request, prompt_ids: list[list[int]], max_tokens: int, logprobs: int | None,
+                     shapes, prompt_param: str, grammar: Grammar | None = None) -> Generation:
+        """Submit req.num_samples engine requests per prompt (seed + j for sample j); wait for
+        all their results (whole) or their first deltas (streamed, so an error still gets its
+        status code)."""
         samples = []  # (prompt ids, params), sample index = prompt index * num_samples + j
         for ids in prompt_ids:
             for j in range(req.num_samples):
@@ -377,28 +407,34 @@ class HttpFrontend:
                 except RequestError as e:
                     raise from_request_error(e, prompt_param) from None
                 samples.append((ids, params))
-        request_id = f"{shapes.id_prefix}{uuid.uuid4().hex}"
-        run = _Samples(self, request_id)
+        run = _Samples(self, f"{shapes.id_prefix}{uuid.uuid4().hex}")
+        gen = Generation(run, shapes, prompt_ids, req.num_samples, req.n)
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(raw, run.queue))
         try:
             for ids, params in samples:
                 run.submit(ids, params, req.stream, req.cache_salt, grammar)
             if req.stream:
-                first = await self._first_replies(run)
+                gen.first = await self._first_replies(run)
             else:
-                results = await self._collect(run)
+                gen.results = await self._collect(run)
+                run.close()
         except BaseException:
             run.close()
             raise
         finally:
             watcher.cancel()
+        return gen
+
+    async def _generate(self, req, raw: Request, prompt_ids: list[list[int]], max_tokens: int,
+                        logprobs: int | None, shapes, prompt_param: str, grammar: Grammar | None = None) -> Response:
+        """Answer with `shapes`' choices, whole or streamed."""
+        gen = await self._start(req, raw, prompt_ids, max_tokens, logprobs, shapes, prompt_param, grammar)
         headers = self._ignored_header(req)
         if not req.stream:
-            run.close()
-            return self._whole(run, shapes, results, prompt_ids, req.num_samples, req.n, headers)
+            return JSONResponse(self.whole(gen), headers=headers)
         options = req.stream_options or StreamOptions()
         usage = "continuous" if options.continuous_usage_stats else "final" if options.include_usage else None
-        return _EventStream(self._stream(run, shapes, first, usage, prompt_ids, req.n), run.close, headers)
+        return EventStream(self._sse(self.chunks(gen, usage)), gen.run.close, headers)
 
     def _ignored_header(self, req) -> dict[str, str]:
         """The request's fields this server ignores, for the response header (and, the first
@@ -446,68 +482,77 @@ class HttpFrontend:
         return {"id": run.request_id, "created": int(time.time()), "model": self.model_name,
                 "system_fingerprint": None}
 
-    def _whole(self, run: _Samples, shapes, results: list[Completion], prompt_ids, per_prompt: int, n: int,
-               headers: dict[str, str]) -> JSONResponse:
-        """The whole response: of each prompt's `per_prompt` samples, the `n` best (best_of).
+    def whole(self, gen: Generation) -> dict[str, Any]:
+        """The whole response's body: of each prompt's samples, the n best (best_of).
         NOTE: the usage counts every sample generated, as OpenAI bills best_of (vLLM counts
         only the n returned)."""
-        usage = usage_dict(sum(len(p) for p in prompt_ids), sum(c.usage.completion_tokens for c in results),
-                           cached_tokens({i: c.usage for i, c in enumerate(results)}, per_prompt))
-        choices = [shapes.choice(i, c) for i, c in enumerate(best_of(results, per_prompt, n))]
-        body = self._header(run) | {"object": shapes.object, "choices": choices, "usage": usage} | shapes.top_level(
-            results)
-        return JSONResponse(body, headers=headers)
+        results, shapes = gen.results, gen.shapes
+        usage = usage_dict(sum(len(p) for p in gen.prompt_ids), sum(c.usage.completion_tokens for c in results),
+                           cached_tokens({i: c.usage for i, c in enumerate(results)}, gen.per_prompt))
+        choices = [shapes.choice(i, c) for i, c in enumerate(best_of(results, gen.per_prompt, gen.n))]
+        return self._header(gen.run) | {"object": shapes.object, "choices": choices, "usage": usage} | (
+            shapes.top_level(results))
 
-    async def _stream(self, run: _Samples, shapes, first: list[tuple[int, Delta]], usage: str | None, prompt_ids,
-                      n: int):
-        """Server-sent events: one chunk per delta, then the usage chunk if asked (`usage`
-        "final"; "continuous": every chunk also carries the usage so far, vLLM's
-        continuous_usage_stats), then [DONE]."""
+    async def chunks(self, gen: Generation, usage: str | None):
+        """The stream's chunks, in batches (what arrived at one wake-up): one chunk per delta,
+        then the usage chunk if asked (`usage` "final"; "continuous": every chunk also carries
+        the usage so far, vLLM's continuous_usage_stats). Raises StreamError for an error
+        reply. Closes the engine requests however it ends."""
+        run, shapes = gen.run, gen.shapes
         header = self._header(run) | {"object": shapes.chunk_object}
-        prompt_tokens = sum(len(p) for p in prompt_ids)
+        prompt_tokens = sum(len(p) for p in gen.prompt_ids)
         completion_tokens = streamed = 0
         usages: dict[int, Usage] = {}
 
-        def encode(body: dict[str, Any]) -> bytes:
-            chunk = header | body
+        def chunk(body: dict[str, Any]) -> dict[str, Any]:
+            out = header | body
             if usage is not None:
-                chunk["usage"] = usage_dict(prompt_tokens, streamed) if usage == "continuous" else None
-            return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                out["usage"] = usage_dict(prompt_tokens, streamed) if usage == "continuous" else None
+            return out
 
-        def event(index: int, delta: Delta) -> bytes:
+        def event(index: int, delta: Delta) -> dict[str, Any]:
             nonlocal completion_tokens, streamed
             if delta.usage is not None:
                 completion_tokens += delta.usage.completion_tokens
                 usages[index] = delta.usage
             streamed += len(delta.token_ids)
-            return encode({"choices": [shapes.chunk_choice(index, delta)]})
+            return chunk({"choices": [shapes.chunk_choice(index, delta)]})
 
         try:
-            opening = b"".join(encode(body) for body in shapes.opening())
+            opening = [chunk(body) for body in shapes.opening()]
             if opening:
                 yield opening
-            pending = list(first)
+            pending = list(gen.first)
             while True:
-                out = b"".join(event(i, d) for i, d in pending)
-                if out:
-                    yield out
+                batch = [event(i, d) for i, d in pending]
+                if batch:
+                    yield batch
                 if run.all_done:
                     break
                 pending = [await run.queue.get()]
                 while not run.queue.empty():  # whatever else arrived: one write
                     pending.append(run.queue.get_nowait())
                 for index, msg in pending:
-                    if isinstance(msg, ErrorReply):  # after the headers: an error event ends the stream
-                        err = engine_error(msg.code, msg.message)
-                        yield b"data: " + msgspec.json.encode(err.body()) + b"\n\n"
-                        return
+                    if isinstance(msg, ErrorReply):
+                        raise StreamError(engine_error(msg.code, msg.message))
                     run.done(index, msg)
             if usage is not None:
-                final = usage_dict(prompt_tokens, completion_tokens, cached_tokens(usages, n))
-                yield b"data: " + msgspec.json.encode(header | {"choices": [], "usage": final}) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:  # also when the client disconnects: Starlette cancels this generator
+                final = usage_dict(prompt_tokens, completion_tokens, cached_tokens(usages, gen.n))
+                yield [header | {"choices": [], "usage": final}]
+        finally:  # also when the client disconnects: Starlette cancels the stream
             run.close()
+
+    @staticmethod
+    async def _sse(batches):
+        """Server-sent events of chunk batches, one write per batch, then [DONE]; an error
+        after the headers is an error event that ends the stream."""
+        try:
+            async for batch in batches:
+                yield b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in batch)
+        except StreamError as e:
+            yield b"data: " + msgspec.json.encode(e.error.body()) + b"\n\n"
+            return
+        yield b"data: [DONE]\n\n"
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -535,21 +580,6 @@ class HttpFrontend:
         if not self.accepting:
             return 503, {"status": "draining"}
         return 200, {"status": "ok"}
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events that release their engine requests however the response ends (also
-    when the client leaves before the first chunk, so the generator never starts)."""
-
-    def __init__(self, events, on_close, headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"} | headers)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
 
 
 async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:

@@ -298,7 +298,7 @@ BAD_SAMPLING = [
     ("/v1/completions", {"best_of": 1, "n": 2}, "best_of"),
     ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"best_of": 65, "prompt": ["a", "b"]}, "best_of"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"echo": True, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),

@@ -226,3 +226,69 @@ def test_bad_input_is_a_400_naming_the_parameter_and_the_server_keeps_serving(ur
         assert err["param"] == param and err["type"] == "invalid_request_error", err
         ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_responses_api_text_tools_and_structured_text(oai):
+    r = oai.responses.create(model="smollm2-135m-instruct", input="Say hello.", instructions="Be brief.",
+                             max_output_tokens=12, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.output_text
+    assert r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 12
+    chat_reply = chat(oai, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}],
+                      max_tokens=12, temperature=0).choices[0].message.content
+    assert r.output_text == chat_reply  # the same generation as chat's
+    tool = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
+            "parameters": WEATHER["function"]["parameters"]}
+    r = oai.responses.create(model="smollm2-135m-instruct", input="What is the weather in Paris?", tools=[tool],
+                             tool_choice="required", max_output_tokens=120, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
+    follow = oai.responses.create(
+        model="smollm2-135m-instruct", tools=[tool], max_output_tokens=20, temperature=0,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature": 21}'}])
+    assert follow.status in ("completed", "incomplete")
+
+    class Mood(BaseModel):
+        label: str
+        score: float
+
+    parsed = oai.responses.parse(model="smollm2-135m-instruct", input="Rate the mood of 'I love it' as JSON.",
+                                 text_format=Mood, max_output_tokens=60, temperature=0)
+    assert isinstance(parsed.output_parsed, Mood)
+
+
+def test_responses_api_streaming_events(oai):
+    kinds, text, done = [], "", None
+    seqs = []
+    with oai.responses.stream(model="smollm2-135m-instruct", input="Count to three.", max_output_tokens=16,
+                              temperature=0) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            seqs.append(event.sequence_number)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        done = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_item.added" in kinds and "response.output_text.done" in kinds
+    assert seqs == list(range(len(seqs)))
+    assert text == done.output_text and text
+    whole = oai.responses.create(model="smollm2-135m-instruct", input="Count to three.", max_output_tokens=16,
+                                 temperature=0)
+    assert whole.output_text == text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
+])
+def test_responses_api_bad_input(url, body, param):
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/responses", json=body | {"max_output_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
