@@ -5,16 +5,31 @@ requests succeeded by its own count, and its own summary line. Writes
 results/outside_clients.json.
 
     python scripts/outside_clients.py --guidellm ~/venv-guidellm --aiperf ~/venv-aiperf \\
-        --langchain ~/venv-langchain --vllm ~/venv-vllm --vllm-cli ../shared/peers/vllm_cli.py
+        --langchain ~/venv-langchain --vllm ~/venv-vllm --vllm-cli ../shared/peers/vllm_cli.py \\
+        --agents ~/venv-agents [--openai ~/venv-openai]
+
+Structured outputs and tool calling are checked one by one, each by the client's own
+behaviour (no exception, the parsed object validates, the framework ran the tool):
+- openai (--openai, else the langchain or agents venv): `chat.completions.parse` with a
+  pydantic model, json_object, vLLM's structured_outputs/guided_*, tools with tool_choice
+  required/named/auto/none, a streamed tool call, a `role: tool` turn, /v1/responses;
+- langchain-openai (--langchain): `with_structured_output` (default, json_schema,
+  function_calling, json_mode), `bind_tools` with a forced call that it executes, streamed,
+  and the tool's result sent back; LangGraph's `create_react_agent` where that venv has it;
+- openai-agents (--agents): an agent that must call a tool first (tool_choice="required",
+  reset after the call) and then answers, plain and streamed, a structured final output,
+  and the same loop over the Responses API.
 
 A client whose virtual environment is not given is skipped (and said so). The server runs the
 default model; the clients that count tokens get its tokenizer as a Hugging Face directory.
+The default model (135M) rarely calls a tool unasked, so the tool checks force the first call.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,13 +43,15 @@ from meshserve.engine.tokenizer import load_tokenizer
 from bench_http import Served, free_port
 
 REPO = Path(__file__).resolve().parent.parent
+CHECKS_DIR = Path(__file__).resolve().parent / "client_checks"
+"""The structured-output and tool-calling checks each client runs, one file per client."""
 MODEL = "smollm2-135m-instruct"
 TIMEOUT = 900
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     print("$", " ".join(cmd), file=sys.stderr)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def tail(text: str, n: int = 1500) -> str:
@@ -103,25 +120,90 @@ LANGCHAIN = textwrap.dedent('''
 ''').format(model=MODEL)
 
 
+def last_json(stdout: str) -> dict:
+    """The client script's report: the last line of its stdout, if that is a JSON object."""
+    lines = stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+
+
 def langchain(venv: Path, url: str, requests: int, work: Path) -> dict:
     script = work / "langchain_client.py"
     script.write_text(LANGCHAIN)
     cmd = [str(venv / "bin" / "python"), str(script), url, str(requests)]
     p = run(cmd, work)
-    last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "{}"
-    ok = json.loads(last).get("succeeded") if last.startswith("{") else None
+    ok = last_json(p.stdout).get("succeeded")
     return {"cmd": cmd, "exit_code": p.returncode, "sent": requests, "succeeded": ok,
             "errored": None if ok is None else requests - ok, "output": tail(p.stdout + p.stderr)}
 
 
-def main() -> None:
+
+
+
+
+
+
+
+
+def checks(name: str, venv: Path, url: str, work: Path) -> dict:
+    """Runs one client's checks (client_checks/<name>_checks.py, with client_checks/common.py
+    beside it) with `venv`'s python; per check, what it sent and whether the client got what it
+    asked for."""
+    for source in (CHECKS_DIR / "common.py", CHECKS_DIR / f"{name}_checks.py"):
+        shutil.copy(source, work / source.name)
+    cmd = [str(venv / "bin" / "python"), str(work / f"{name}_checks.py"), url, MODEL]
+    p = run(cmd, work)
+    report = last_json(p.stdout)
+    results = report.get("checks")
+    ok = None if results is None else sum(r["ok"] for r in results.values())
+    return {"cmd": cmd, "exit_code": p.returncode, "versions": report.get("versions"),
+            "sent": None if results is None else len(results), "succeeded": ok,
+            "errored": None if ok is None else len(results) - ok, "checks": results,
+            "output": tail(p.stdout + p.stderr)}
+
+
+def print_result(name: str, r: dict) -> None:
+    """One line per client, then one per check for the clients that run checks."""
+    if "skipped" in r:
+        print(f"{name:<18} skipped: {r['skipped']}")
+        return
+    print(f"{name:<18} exit {r['exit_code']}: {r['succeeded']} of {r['sent']} succeeded, {r['errored']} errored")
+    for check, c in (r.get("checks") or {}).items():
+        print(f"    {'ok    ' if c['ok'] else 'FAILED'} {check}" + ("" if c["ok"] else f": {c['error'][:400]}"))
+    if r.get("checks") is None and "versions" in r:
+        print("    no report; the client's output ends:\n" + textwrap.indent(r["output"][-800:], "    "))
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name in ("guidellm", "aiperf", "langchain", "vllm"):
+    for name in ("guidellm", "aiperf", "langchain", "vllm", "agents", "openai"):
         ap.add_argument(f"--{name}", type=Path, default=None, metavar="VENV", help=f"the virtual environment of {name}")
     ap.add_argument("--vllm-cli", type=Path, default=None, help="the `vllm` command's script in that venv")
-    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=20,
+                    help="requests per benchmark client (structured-output and tool checks run once each)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "outside_clients.json")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def run_clients(args: argparse.Namespace, url: str, tokenizer: Path, work: Path) -> dict[str, dict]:
+    """Each client whose virtual environment was given, one after the other."""
+    clients = {
+        "guidellm": (args.guidellm, lambda v: guidellm(v, url, tokenizer, args.requests, work)),
+        "aiperf": (args.aiperf, lambda v: aiperf(v, url, tokenizer, args.requests, work)),
+        "vllm bench serve": (args.vllm if args.vllm_cli else None,
+                             lambda v: vllm_bench(v, args.vllm_cli, url, tokenizer, args.requests, work)),
+        "langchain-openai": (args.langchain, lambda v: langchain(v, url, args.requests, work)),
+        # NOTE: langchain-openai and openai-agents both install openai, so either venv serves.
+        "openai structured+tools": (args.openai or args.langchain or args.agents,
+                                    lambda v: checks("openai", v, url, work)),
+        "langchain structured+tools": (args.langchain, lambda v: checks("langchain", v, url, work)),
+        "openai-agents": (args.agents, lambda v: checks("agents", v, url, work)),
+    }
+    return {name: client(venv) if venv is not None else {"skipped": "no virtual environment given"}
+            for name, (venv, client) in clients.items()}
+
+
+def main() -> None:
+    args = parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="outside-clients-"))
     tokenizer = work / "tokenizer"
@@ -130,38 +212,20 @@ def main() -> None:
     served = Served("meshserve", [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--port", str(port),
                                   "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", "--max-model-len", "2048"],
                     work / "server.log")
-    results: dict[str, dict] = {}
     try:
-        url = served.wait_http(f"http://127.0.0.1:{port}")
-        clients = {
-            "guidellm": lambda v: guidellm(v, url, tokenizer, args.requests, work),
-            "aiperf": lambda v: aiperf(v, url, tokenizer, args.requests, work),
-            "vllm bench serve": lambda v: vllm_bench(v, args.vllm_cli, url, tokenizer, args.requests, work),
-            "langchain-openai": lambda v: langchain(v, url, args.requests, work),
-        }
-        venvs = {"guidellm": args.guidellm, "aiperf": args.aiperf, "vllm bench serve": args.vllm,
-                 "langchain-openai": args.langchain}
-        for name, client in clients.items():
-            venv = venvs[name]
-            if venv is None or (name == "vllm bench serve" and args.vllm_cli is None):
-                results[name] = {"skipped": "no virtual environment given"}
-                continue
-            results[name] = client(venv)
+        results = run_clients(args, served.wait_http(f"http://127.0.0.1:{port}"), tokenizer, work)
         ignored = [line for line in served.log.read_text().splitlines() if "ignoring request fields" in line]
     finally:
         served.stop()
-    report = {"cpu": cpu_features().describe(), "clients": results, "ignored_fields_logged": ignored}
+    report = {"cpu": cpu_features().describe(), "clients": results, "ignored_fields_logged": ignored,
+              "server_log": str(served.log)}
     args.out.write_text(json.dumps(report, indent=2))
     print(report["cpu"])
     for name, r in results.items():
-        if "skipped" in r:
-            print(f"{name:<18} skipped: {r['skipped']}")
-        else:
-            print(f"{name:<18} exit {r['exit_code']}: {r['succeeded']} of {r['sent']} succeeded, "
-                  f"{r['errored']} errored")
+        print_result(name, r)
     for line in ignored:
         print("server:", line[line.index("ignoring"):])
-    print(f"wrote {args.out}")
+    print(f"server log: {served.log}\nwrote {args.out}")
 
 
 if __name__ == "__main__":
