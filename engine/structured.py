@@ -1,7 +1,7 @@
 """Structured outputs: requests whose output must match a JSON schema, a regex, a list of
 choices or a grammar (vLLM's `structured_outputs`, OpenAI's `response_format`).
 
-    compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids)
+    compiler = GrammarCompiler(tokenizer, vocab_size)  # engine/tokenizer.py's Tokenizer
     grammar = compiler.compile(spec)          # a frontend's thread; RequestError if bad
     guide = GuidedDecoding(vocab_size)        # the driver's engine
     guide.add(seq_id, grammar)
@@ -93,8 +93,10 @@ class GrammarCompiler:
     """Compiles GrammarSpecs for one tokenizer, caching by spec. Thread-safe; call it off the
     step loop (a frontend's tokenize pool): a cold compile takes milliseconds to a second."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self._hf, self.vocab_size, self.eos_token_ids = hf_tokenizer, vocab_size, list(eos_token_ids)
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        """`tokenizer`: the served model's (engine/tokenizer.py): its Hugging Face tokenizer
+        (`.hf`) and EOS ids are read at the first compile."""
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lock = threading.Lock()
         self._compiler = None
         self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
@@ -102,13 +104,14 @@ class GrammarCompiler:
         """Time spent compiling grammars that were not cached."""
         self.compiled = self.cache_hits = 0
 
-    def _xgr_compiler(self):
-        """xgrammar's compiler, built on first use (its tokenizer table takes ~0.2 s)."""
+    def warm_up(self):
+        """xgrammar's compiler, built on first use (its tokenizer table takes ~0.2 s): call it
+        to build it now."""
         if self._compiler is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.eos_token_ids or None)
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self._tokenizer.eos_token_ids) or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -137,7 +140,7 @@ class GrammarCompiler:
     def _build(self, spec: GrammarSpec) -> Any:
         import xgrammar as xgr
 
-        compiler = self._xgr_compiler()
+        compiler = self.warm_up()
         if spec.kind == "json":
             json.loads(spec.value)  # a clear error for text that is not JSON at all
             # NOTE: any_whitespace=False: JSON as json.dumps writes it (", ", ": "). With free

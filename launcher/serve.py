@@ -46,7 +46,7 @@ class ServeMode:
 
     def prepare(self, config: Config, tokenizer: Tokenizer, info: ModelInfo, memory: MemoryPlan) -> None:
         self.config, self.info = config, info
-        grammars = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
+        grammars = GrammarCompiler(tokenizer, info.vocab_size)
         self.frontend = ZmqFrontend(config.server.zmq, self.inbox, tokenizer, info.vocab_size, memory.max_model_len,
                                     secret=config.server.secret, curve=config.server.curve, grammars=grammars)
         if config.server.http is None:

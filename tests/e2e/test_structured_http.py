@@ -22,7 +22,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from support.reference import hf_logits, hf_model
+from support.reference import hf_logits
 from support.schemas import CHOICES, PROMPTS, REGEX, SCHEMAS
 from support.server import MeshserveProcess, free_port, http_url
 
@@ -181,13 +181,13 @@ def test_tool_choice_auto_and_none_and_a_tool_result_turn(oai):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_prompt_logprobs_and_echo_with_logprobs_match_transformers(url, smollm2):
+def test_prompt_logprobs_and_echo_with_logprobs_match_transformers(url, smollm2_reference):
     prompt = "The capital of France is"
     with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         body = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
                                                    "prompt_logprobs": 2, "echo": True, "logprobs": 1}).json()
         ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
-    want = torch.log_softmax(hf_logits(hf_model(smollm2), ids), dim=-1)
+    want = torch.log_softmax(hf_logits(smollm2_reference, ids), dim=-1)
     choice = body["choices"][0]
     got = choice["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids)

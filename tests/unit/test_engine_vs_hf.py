@@ -69,13 +69,12 @@ def test_max_num_seqs_queues_the_rest(tiny_checkpoints, reference):
     assert run_staggered(engine, arrivals=[0] * 6) == reference
 
 
-def test_smollm2_greedy_matches_transformers(smollm2):
+def test_smollm2_greedy_matches_transformers(smollm2_reference):
     engine = make_engine("builtin:smollm2-135m-instruct", "cache.memory=64MiB")
     tok = engine.tokenizer
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
-    ref = hf_model(smollm2)
-    want = [hf_greedy(ref, p, 24) for p in prompts]
+    want = [hf_greedy(smollm2_reference, p, 24) for p in prompts]
     got = generate(engine, prompts, SamplingParams(max_tokens=24, temperature=0))
     for w, g in zip(want, got):
         eos = w.index(2) + 1 if 2 in w else len(w)

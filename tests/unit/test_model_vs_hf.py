@@ -31,8 +31,8 @@ def test_chunked_prefill_matches_whole_prefill(tiny_checkpoints):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_smollm2_gguf_logits_match_transformers(smollm2):
-    ref = hf_model(smollm2)
+def test_smollm2_gguf_logits_match_transformers(smollm2, smollm2_reference):
+    ref = smollm2_reference
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
               8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
     want = hf_logits(ref, prompt)

@@ -27,7 +27,7 @@ def engine(smollm2):
 
 @pytest.fixture(scope="module")
 def compiler(engine):
-    return GrammarCompiler(engine.tokenizer.hf, engine.vocab_size, engine.tokenizer.eos_token_ids)
+    return GrammarCompiler(engine.tokenizer, engine.vocab_size)
 
 
 def chat(engine, text: str) -> list[int]:
