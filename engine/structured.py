@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -100,9 +99,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler = None
         self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
-        self.compile_seconds = 0.0
-        """Time spent compiling grammars that were not cached."""
-        self.compiled = self.cache_hits = 0
+        self.cache_hits = 0
 
     def warm_up(self):
         """xgrammar's compiler, built on first use (its tokenizer table takes ~0.2 s): call it
@@ -124,14 +121,11 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.cache_hits += 1
                 return cached
-            started = time.perf_counter()
             try:
                 grammar = Grammar(self._build(spec), spec)
             except (RuntimeError, ValueError, TypeError) as e:
                 raise RequestError("bad_request", f"{spec.param}: the {spec.kind} constraint does not compile: "
                                                   f"{_clean(e)}", spec.param) from None
-            self.compile_seconds += time.perf_counter() - started
-            self.compiled += 1
             self._cache[spec] = grammar
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
@@ -177,7 +171,6 @@ class GuidedDecoding:
         self.words = (vocab_size + 31) // 32
         self._matchers: dict[int, Any] = {}
         self._batch = None
-        self.mask_seconds = 0.0
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
@@ -196,12 +189,10 @@ class GuidedDecoding:
             return None
         import xgrammar as xgr
 
-        started = time.perf_counter()
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         bitmask = xgr.allocate_token_bitmask(len(ids), self.vocab_size)
         self._batch.batch_fill_next_token_bitmask([self._matchers[s] for s in ids], bitmask)
-        self.mask_seconds += time.perf_counter() - started
         return TokenMasks(ids, self.words, bitmask.numpy().tobytes())
 
     def accept(self, seq_id: int, token: int) -> bool:

@@ -68,8 +68,9 @@ def backend(request, monkeypatch):
     if request.param == "native":
         if not cpu_library.available():
             pytest.skip("no C++ compiler for the CPU kernels")
-    else:
+    else:  # the torch ops for the grammar masks too
         monkeypatch.setattr(sampler_module, "native_sampling", lambda logits: False)
+        monkeypatch.setattr(logits_processors, "native_masking", lambda logits: False)
     return request.param
 
 
@@ -276,7 +277,7 @@ def test_unpack_bitmask_is_the_packed_layout(vocab):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_masked_rows_sample_as_the_reference_and_only_allowed_tokens(backend, seed):
+def test_masked_rows_sample_as_the_reference_and_only_allowed_tokens(cpu_isa, backend, seed):
     rng = random.Random(200 + seed)
     rows = make_rows(rng, [dict(p, logprobs=2) for p in PARAMS])
     logits = random_logits(200 + seed, len(rows))
