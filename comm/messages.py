@@ -142,6 +142,12 @@ class Usage(Struct, frozen=True):
     completion_tokens: int
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens)."""
+    accepted_draft_tokens: int = 0
+    """Speculative decoding: proposed tokens the model accepted (part of completion_tokens;
+    OpenAI's completion_tokens_details.accepted_prediction_tokens)."""
+    rejected_draft_tokens: int = 0
+    """Speculative decoding: proposed tokens the model rejected (not part of the output;
+    OpenAI's completion_tokens_details.rejected_prediction_tokens)."""
 
 
 class Delta(Struct, tag="delta", frozen=True):
@@ -208,8 +214,11 @@ class NewSeq(Struct, array_like=True, frozen=True):
     num_computed: int
     """Tokens whose K/V are already in the cache (0 unless a prefix is cached)."""
     num_new: int
-    """Tokens to compute in this step, starting at num_computed."""
+    """Tokens to compute in this step, starting at num_computed (drafts included)."""
     params: SamplingParams
+    draft: list[int] = []
+    """Speculative decoding: tokens proposed after the known ones, computed in this step
+    (the last `len(draft)` of num_new) and verified by the sampling rank."""
 
 
 class SeqDelta(Struct, array_like=True, frozen=True):
@@ -219,6 +228,16 @@ class SeqDelta(Struct, array_like=True, frozen=True):
     new_token_ids: list[int]
     new_block_ids: list[int]
     num_new: int
+    """Tokens to compute in this step (drafts included)."""
+    num_computed: int = -1
+    """The driver's count of tokens whose K/V are in the cache before this step; -1: what the
+    rank's mirror counts. After a speculative step the mirror counts only the known tokens:
+    the accepted drafts (the first of new_token_ids) were computed in it too."""
+    num_blocks: int = -1
+    """Entries of the block table the ranks keep before appending new_block_ids; -1: all.
+    Fewer after a speculative step gave back the blocks only its rejected drafts used."""
+    draft: list[int] = []
+    """Speculative decoding: as NewSeq.draft."""
 
 
 class TokenMasks(Struct, array_like=True, frozen=True):
@@ -285,10 +304,24 @@ class StepResult(Struct, frozen=True, tag="result"):
     step_id: int
     seq_ids: list[int]
     token_ids: list[int]
+    """Every sequence's tokens, one after the other (one each unless `counts` says more)."""
     logprobs: list[TokenLogprob | None] | None = None
+    """One per token of token_ids."""
     prompt_logprobs: list[PromptLogprobs] | None = None
     """For the sequences that asked (SamplingParams.prompt_logprobs) and computed prompt
     tokens in this step."""
+    counts: list[int] | None = None
+    """Speculative decoding: tokens per sequence (its accepted drafts, then the token sampled
+    after them); None: one each."""
+
+    def per_sequence(self) -> list[tuple[int, list[int], list[TokenLogprob | None] | None]]:
+        """(seq_id, its tokens, their logprobs or None) of every sequence, in order."""
+        counts = self.counts or [1] * len(self.seq_ids)
+        out, at = [], 0
+        for seq_id, n in zip(self.seq_ids, counts):
+            out.append((seq_id, self.token_ids[at:at + n], self.logprobs[at:at + n] if self.logprobs else None))
+            at += n
+        return out
 
 
 class RankStats(Struct, frozen=True, tag="stats"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshserve.comm.messages import StepResult
+from meshserve.comm.messages import StepResult, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class ExpectedResult:
     num_logprobs: tuple[int | None, ...]
     """Per sequence: the top logprobs it asked for (SamplingParams.logprobs), None for none."""
     vocab_size: int
+    num_drafts: tuple[int, ...] = ()
+    """Per sequence: the draft tokens it verifies (speculative decoding); empty: none does."""
 
     def problem(self, result: StepResult) -> str | None:
         """Why `result` cannot be the sampling rank's answer to this step, or None if it can."""
@@ -31,12 +33,29 @@ class ExpectedResult:
             return f"step {result.step_id}, not {self.step_id}"
         if tuple(result.seq_ids) != self.seq_ids:
             return f"sequences {_few(result.seq_ids)}, but step {self.step_id} samples {_few(self.seq_ids)}"
-        if len(result.token_ids) != len(self.seq_ids):
-            return f"{len(result.token_ids)} tokens for {len(self.seq_ids)} sequences"
+        problem = self._counts_problem(result)
+        if problem is not None:
+            return problem
         outside = [t for t in result.token_ids if not 0 <= t < self.vocab_size]
         if outside:
             return f"token ids {_few(outside)} outside the vocabulary of {self.vocab_size}"
         return self._logprobs_problem(result)
+
+    def _counts_problem(self, result: StepResult) -> str | None:
+        if result.counts is None:
+            if len(result.token_ids) != len(self.seq_ids):
+                return f"{len(result.token_ids)} tokens for {len(self.seq_ids)} sequences"
+            return None
+        if not any(self.num_drafts):
+            return "token counts, but no sequence verifies a draft"
+        if len(result.counts) != len(self.seq_ids):
+            return f"{len(result.counts)} token counts for {len(self.seq_ids)} sequences"
+        for seq_id, n, drafts in zip(self.seq_ids, result.counts, self.num_drafts):
+            if not 1 <= n <= drafts + 1:
+                return f"sequence {seq_id}: {n} tokens after verifying {drafts} drafts"
+        if len(result.token_ids) != sum(result.counts):
+            return f"{len(result.token_ids)} tokens, but the counts add up to {sum(result.counts)}"
+        return None
 
     def _logprobs_problem(self, result: StepResult) -> str | None:
         wanted = any(n is not None for n in self.num_logprobs)
@@ -44,18 +63,25 @@ class ExpectedResult:
             return "no logprobs, which a sequence asked for" if wanted else None
         if not wanted:
             return "logprobs no sequence asked for"
-        if len(result.logprobs) != len(self.seq_ids):
-            return f"{len(result.logprobs)} logprobs for {len(self.seq_ids)} sequences"
-        for seq_id, token, n, lp in zip(self.seq_ids, result.token_ids, self.num_logprobs, result.logprobs):
-            if (lp is None) != (n is None):
-                return f"sequence {seq_id}: logprobs {'missing' if lp is None else 'it did not ask for'}"
-            if lp is None:
-                continue
-            if lp.token_id != token or len(lp.top) != n:
-                return f"sequence {seq_id}: logprobs of token {lp.token_id} with {len(lp.top)} alternatives, " \
-                       f"not of token {token} with {n}"
-            if any(not 0 <= t < self.vocab_size for t, _ in lp.top):
-                return f"sequence {seq_id}: top logprobs name tokens outside the vocabulary of {self.vocab_size}"
+        if len(result.logprobs) != len(result.token_ids):
+            return f"{len(result.logprobs)} logprobs for {len(result.token_ids)} tokens"
+        for (seq_id, tokens, lps), n in zip(result.per_sequence(), self.num_logprobs):
+            for token, lp in zip(tokens, lps):
+                problem = self._logprob_problem(seq_id, token, n, lp)
+                if problem is not None:
+                    return problem
+        return None
+
+    def _logprob_problem(self, seq_id: int, token: int, n: int | None, lp: TokenLogprob | None) -> str | None:
+        if (lp is None) != (n is None):
+            return f"sequence {seq_id}: logprobs {'missing' if lp is None else 'it did not ask for'}"
+        if lp is None:
+            return None
+        if lp.token_id != token or len(lp.top) != n:
+            return f"sequence {seq_id}: logprobs of token {lp.token_id} with {len(lp.top)} alternatives, " \
+                   f"not of token {token} with {n}"
+        if any(not 0 <= t < self.vocab_size for t, _ in lp.top):
+            return f"sequence {seq_id}: top logprobs name tokens outside the vocabulary of {self.vocab_size}"
         return None
 
 

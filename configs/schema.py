@@ -114,6 +114,35 @@ class SchedulerConfig(Section):
     """Most prompt tokens queued (not yet computed) before admission refuses new requests."""
 
 
+class SpeculativeConfig(Section):
+    """Speculative decoding (meshserve.engine.speculative): each decoding sequence proposes
+    the tokens likely to follow, and one step of the model verifies them all; the output is
+    exactly what it would be without (greedy and sampled alike), in fewer steps when the
+    proposals are right. Off by default, as in vLLM."""
+
+    method: Literal["none", "ngram"] = "none"
+    """`ngram`: prompt lookup, which proposes what followed the latest earlier occurrence of
+    the last few tokens in the prompt and output (model-free: for output that copies its
+    input, such as code edits, quoting summaries, extraction)."""
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    """The most tokens a sequence proposes per step."""
+    prompt_lookup_min: PositiveInt = 2
+    """`ngram`: the fewest last tokens that must match."""
+    prompt_lookup_max: PositiveInt = 4
+    """`ngram`: the most last tokens matched (a longer match wins)."""
+    adaptive: bool = True
+    """Each sequence proposes only as many tokens as its acceptance so far pays for at the
+    step's batch size (none once decoding is compute bound and proposals are often wrong);
+    false: always num_speculative_tokens where a proposal has them."""
+
+    @model_validator(mode="after")
+    def _lookup_range(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative.prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                             f"speculative.prompt_lookup_max={self.prompt_lookup_max}")
+        return self
+
+
 class MetricsConfig(Section):
     """`/metrics`: who may read it, and the roofline behind its MFU and MBU gauges."""
 
@@ -265,6 +294,7 @@ class Config(Section):
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 

@@ -172,6 +172,17 @@ def quantization_problems(config: Config, info: ModelInfo, cpu: CpuFeatures | No
             f"(use model.quantization=int8)" for name, size in inputs.items() if size % 32]
 
 
+def speculative_problems(config: Config) -> list[str]:
+    """A rejected draft's K/V is rolled back by the block tables; with context parallelism
+    every rank would also have to roll back its share of the sequence."""
+    spec = config.speculative
+    if spec.method != "none" and config.parallel.context > 1:
+        return [f"speculative.method={spec.method} with parallel.context={config.parallel.context}: context "
+                f"parallelism splits each sequence's tokens over its ranks, and rejected drafts are not rolled "
+                f"back there; use speculative.method=none or parallel.context=1"]
+    return []
+
+
 def check_config(config: Config, source: str = "<builtin default>", info: ModelInfo | None = None) -> ModelInfo:
     """Validate `config` against the model it names; returns the model's facts."""
     try:
@@ -221,6 +232,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
         problems += cpu_bind_problems(config.device.cpu_bind, config.ranks_per_node, usable_cores())
     problems += quantization_problems(config, info)
     problems += kv_cache_problems(config)
+    problems += speculative_problems(config)
     if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "

@@ -187,8 +187,21 @@ class BlockManager:
         if n > self.num_free:
             raise RuntimeError(f"seq {seq.seq_id} needs {n} blocks, {self.num_free} free")
         seq.block_ids.extend(self._take() for _ in range(n))
-        if self.prefix_caching:
-            self._register(seq, seq.num_computed + num_new)
+        if self.prefix_caching:  # a draft token (speculative decoding) is not known yet: never cached
+            self._register(seq, min(seq.num_computed + num_new, seq.num_tokens))
+
+    def trim(self, seq: Sequence) -> int:
+        """Give back the blocks past those holding `seq`'s computed tokens (the ones only its
+        rejected draft tokens used); returns how many."""
+        keep = self.blocks_for(self.held_after(seq, 0))
+        extra = seq.block_ids[keep:]
+        for b in reversed(extra):
+            assert b not in self._hash_of, f"block {b} of rejected drafts is in the prefix cache"
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.appendleft(b)
+        del seq.block_ids[keep:]
+        return len(extra)
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references (last block first); its cache is empty again."""

@@ -17,6 +17,9 @@ from meshserve.engine.calibration import calibration_ids
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import Executor, LocalExecutor
 from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.speculative.policy import DraftPolicy
+from meshserve.engine.speculative.proposer import NgramProposer
+from meshserve.engine.speculative.speculator import Speculator
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.parallel.topology import Groups
 
@@ -36,7 +39,16 @@ def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: 
     """The driver's engine over `executor` (the ranks, or this process alone)."""
     return Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
                   micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context,
-                  prefix_caching=config.cache.prefix_caching)
+                  prefix_caching=config.cache.prefix_caching, speculator=build_speculator(config, memory))
+
+
+def build_speculator(config: Config, memory: MemoryPlan) -> Speculator | None:
+    """The driver's proposer and draft policy (config.speculative), or None."""
+    spec = config.speculative
+    if spec.method == "none":
+        return None
+    proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return Speculator(proposer, DraftPolicy(spec.num_speculative_tokens, spec.adaptive), memory.max_model_len)
 
 
 def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan, *, threads: int | None = None,

@@ -21,6 +21,7 @@ from meshserve.engine.output import OutputProcessor, RequestState
 from meshserve.engine.plan import PlanBuilder
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler
 from meshserve.engine.sequence import Sequence
+from meshserve.engine.speculative.speculator import Speculator
 from meshserve.engine.structured import Grammar, GuidedDecoding
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.admission import RequestError
@@ -55,6 +56,9 @@ class EngineObserver(Protocol):
     def on_step(self, batch: ScheduledBatch, context_lens: list[int], seconds: float) -> None:
         """A step finished: each sequence's tokens in context after it, and the step's wall time."""
 
+    def on_verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """`seq` verified `drafted` proposed tokens in a step and kept `accepted` of them."""
+
 
 @dataclass
 class InFlight:
@@ -66,12 +70,15 @@ class InFlight:
 
 class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
-                 vocab_size: int, micro_batches: int = 1, cp_size: int = 1, prefix_caching: bool = False):
+                 vocab_size: int, micro_batches: int = 1, cp_size: int = 1, prefix_caching: bool = False,
+                 speculator: Speculator | None = None):
         """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
         takes its share of the sequences, and no sequence is in two at once
         (meshserve.parallel.pipeline). `cp_size`: ranks a sequence's tokens are split
         over (context parallelism). `prefix_caching`: requests reuse the KV blocks of
-        prefixes already computed (meshserve.engine.block_manager)."""
+        prefixes already computed (meshserve.engine.block_manager). `speculator`: drafts
+        tokens for the decoding sequences, which each step verifies (meshserve.engine.speculative)."""
+        self.speculator = speculator
         self.executor = executor
         self._in_flight: MicroBatches[InFlight] = MicroBatches(micro_batches)
         self.vocab_size = vocab_size
@@ -146,29 +153,48 @@ class Engine:
         done = self._in_flight.pop()
         result = self.executor.wait(done.handle)
         executed = time.perf_counter()
-        sampled = dict(zip(result.seq_ids, result.token_ids))
+        per_seq = result.per_sequence()
+        sampled = {seq_id: tokens for seq_id, tokens, _ in per_seq}
+        logprobs = {seq_id: lps for seq_id, _, lps in per_seq if lps is not None}
         for run in result.prompt_logprobs or ():
             self._add_prompt_logprobs(run)
-        logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
         out: list[tuple[Hashable, Delta]] = []
         context_lens = [s.num_computed + n for s, n in zip(done.batch.seqs, done.batch.num_new)]
-        for seq in self.scheduler.update(done.batch, sampled):
-            state = self._by_seq[seq.seq_id]
-            if self.observer is not None:
-                self.observer.on_token(seq)
-            ended = self.guided.accept(seq.seq_id, seq.token_ids[-1]) if self.guided else False
-            delta = self.outputs.on_token(state, logprobs.get(seq.seq_id), ended)
-            if state.finish_reason is not None:
-                self._finish(state)
+        drafted = {s.seq_id: len(s.draft) for s in done.batch.seqs if s.draft}
+        for seq, tokens in self.scheduler.update(done.batch, sampled):
+            if seq.seq_id in drafted:
+                self.speculator.verified(seq, drafted[seq.seq_id], len(tokens) - 1)
+                if self.observer is not None:
+                    self.observer.on_verified(seq, drafted[seq.seq_id], len(tokens) - 1)
+            delta = self._append(self._by_seq[seq.seq_id], tokens, logprobs.get(seq.seq_id))
             if delta is not None:
                 out.append((seq.key, delta))
         end = time.perf_counter()
         self.stats.steps += 1
         self.stats.step_seconds += end - start
         self.stats.postprocess_seconds += end - executed
+        if self.speculator is not None:
+            self.speculator.step_done(done.batch.num_tokens, end - start)
         if self.observer is not None:
             self.observer.on_step(done.batch, context_lens, end - start)
         return out
+
+    def _append(self, state: RequestState, tokens: list[int], logprobs: list | None) -> Delta | None:
+        """Account for the step's tokens of a request (appended by the scheduler) one by one,
+        up to the one that finishes it: the rest are dropped, as a stop is a stop wherever in
+        a run of accepted drafts it falls. Returns what its client receives of them."""
+        seq = state.seq
+        first = seq.num_tokens - len(tokens)
+        for i, token in enumerate(tokens):
+            if self.observer is not None:
+                self.observer.on_token(seq)
+            ended = self.guided.accept(seq.seq_id, token) if self.guided else False
+            self.outputs.add_token(state, logprobs[i] if logprobs else None, ended, first + i + 1)
+            if state.finish_reason is not None:
+                del seq.token_ids[first + i + 1:]
+                self._finish(state)
+                break
+        return self.outputs.delta(state)
 
     def _add_prompt_logprobs(self, run: PromptLogprobs) -> None:
         """Keep a run of prompt logprobs by position (a prompt recomputed after preemption
@@ -184,11 +210,17 @@ class Engine:
             started = time.perf_counter()
             busy = self._in_flight.busy()
             ready = sum(1 for s in self.scheduler.running if s.seq_id not in busy) + len(self.scheduler.waiting)
-            batch = self.scheduler.schedule(busy, self._in_flight.share(ready))
+            share = self._in_flight.share(ready)
+            drafting = self._draft(busy, share)
+            batch = self.scheduler.schedule(busy, share)
             if self.observer is not None and (len(batch) or batch.preempted):
                 self.observer.on_scheduled(batch)
             for seq in batch.preempted:
                 self.plans.forget(seq)
+            scheduled = {s.seq_id for s in batch.seqs} if drafting else set()
+            for seq in drafting:
+                if seq.draft and seq.seq_id not in scheduled:
+                    seq.draft = []  # not scheduled this step: propose afresh for the next
             if not len(batch):  # no plan: the dropped ids wait for the next one
                 return
             masks = None
@@ -199,6 +231,18 @@ class Engine:
             self.stats.schedule_seconds += time.perf_counter() - started
             self._in_flight.push(InFlight(batch, self.executor.submit(plan)), (s.seq_id for s in batch.seqs))
 
+    def _draft(self, busy: frozenset[int], share: int | None) -> list[Sequence]:
+        """Proposals for the running sequences that decode in the coming step (one token to
+        compute, no grammar: a constrained sequence does not speculate); returns them."""
+        if self.speculator is None:
+            return []
+        seqs = [s for s in self.scheduler.running
+                if s.seq_id not in busy and s.num_uncomputed == 1 and s.seq_id not in self.guided]
+        if share is not None:
+            seqs = seqs[:share]
+        self.speculator.draft(seqs)
+        return seqs
+
     def _finish(self, state: RequestState) -> None:
         seq = state.seq
         self.scheduler.finish(seq)
@@ -206,6 +250,8 @@ class Engine:
         del self.requests[seq.key]
         del self._by_seq[seq.seq_id]
         self.guided.drop(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.drop(seq.seq_id)
         self.stats.finished += 1
         if self.observer is not None:
             self.observer.on_finished(state)

@@ -77,9 +77,9 @@ class DistributedExecutor:
         if self.runner.groups.is_sampler:
             return local
         sampled = self.runner.sampled_after(plan)
-        self.channel.expect(ExpectedResult(plan.step_id, tuple(seq_id for seq_id, _ in sampled),
-                                           tuple(params.logprobs for _, params in sampled),
-                                           self.runner.info.vocab_size))
+        self.channel.expect(ExpectedResult(plan.step_id, tuple(seq_id for seq_id, _, _ in sampled),
+                                           tuple(params.logprobs for _, params, _ in sampled),
+                                           self.runner.info.vocab_size, tuple(k for _, _, k in sampled)))
         return plan.step_id
 
     def wait(self, handle: StepResult | int) -> StepResult:

@@ -54,6 +54,15 @@ class ScheduledChunk:
     """Context parallelism: the rank that stores each of the chunk's tokens (None without it)."""
     held: int = 0
     """Context parallelism: tokens of the sequence this rank held before the chunk."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: the chunk's last len(draft) tokens are these proposed ones, not
+    yet the sequence's; the sampling rank samples after each of them too."""
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The chunk's tokens: the known ones, then the drafts."""
+        known = self.seq.token_ids[self.start:self.start + self.num_new - len(self.draft)]
+        return known + self.draft if self.draft else known
 
 
 class SequenceMirror:
@@ -73,8 +82,12 @@ class SequenceMirror:
         for d in plan.running:
             seq = self.seqs[d.seq_id]
             seq.token_ids.extend(d.new_token_ids)
+            if d.num_blocks >= 0:
+                del seq.block_ids[d.num_blocks:]
             seq.block_ids.extend(d.new_block_ids)
-            chunks.append(self._compute(d.seq_id, seq, d.num_new))
+            if d.num_computed >= 0:  # past what this mirror counted: drafts accepted in the last step
+                seq.num_computed = d.num_computed
+            chunks.append(self._compute(d.seq_id, seq, d.num_new, d.draft))
         for n in plan.new:
             seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
             if self.cp_size > 1:  # a cached prefix lies where a fresh prefill would have put it
@@ -82,23 +95,24 @@ class SequenceMirror:
                 seq.local_lens = advance([0] * self.cp_size, owners)
                 seq.local_positions = owned_positions(0, owners, self.cp_rank)
             self.seqs[n.seq_id] = seq
-            chunks.append(self._compute(n.seq_id, seq, n.num_new))
+            chunks.append(self._compute(n.seq_id, seq, n.num_new, n.draft))
         return chunks
 
-    def _compute(self, seq_id: int, seq: MirrorSeq, num_new: int) -> ScheduledChunk:
+    def _compute(self, seq_id: int, seq: MirrorSeq, num_new: int, draft: list[int]) -> ScheduledChunk:
         start = seq.num_computed
         owners, held = None, 0
-        if self.cp_size > 1:
+        if self.cp_size > 1:  # (speculative decoding is refused with context parallelism)
             owners = chunk_owners(start, num_new, self.cp_size, self.block_size)
             held = seq.local_lens[self.cp_rank]
             seq.local_positions.extend(owned_positions(start, owners, self.cp_rank))
             seq.local_lens = advance(seq.local_lens, owners)
-        seq.num_computed = start + num_new
-        return ScheduledChunk(seq_id, seq, start, num_new, seq.fully_computed, owners, held)
+        seq.num_computed = start + num_new - len(draft)  # the drafts count once they are accepted
+        return ScheduledChunk(seq_id, seq, start, num_new, seq.fully_computed, owners, held, list(draft))
 
-    def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams]]:
-        """(seq_id, params) of the sequences of `plan`, the last plan applied, that the
-        sampling rank samples, in batch order (the chunks `apply` marked `sampled`)."""
-        ids = [d.seq_id for d in plan.running] + [n.seq_id for n in plan.new]
-        return [(i, self.seqs[i].params) for i in ids if self.seqs[i].fully_computed]
+    def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams, int]]:
+        """(seq_id, params, drafts verified) of the sequences of `plan`, the last plan
+        applied, that the sampling rank samples, in batch order (the chunks `apply` marked
+        `sampled`)."""
+        ids = [(d.seq_id, len(d.draft)) for d in plan.running] + [(n.seq_id, len(n.draft)) for n in plan.new]
+        return [(i, self.seqs[i].params, k) for i, k in ids if self.seqs[i].fully_computed]
 

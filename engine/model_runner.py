@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.comm.collectives import recv_from_prev_stage, reduce_from_tp
-from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult, TokenMasks
+from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult, TokenLogprob, TokenMasks
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.compiled_decode import CompiledDecode
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
+from meshserve.engine.speculative.verify import accept
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
 from meshserve.layers import prompt_logprobs
@@ -61,9 +62,14 @@ class StepInputs:
     meta: StepMetadata
     """The model's backend's metadata of this step (layers.backend)."""
     sample_rows: list[int]
-    """Rows of the flat batch whose hidden state is sampled (last token of a finished chunk)."""
+    """Rows of the flat batch whose hidden state is sampled (last token of a finished chunk,
+    and each draft token after it)."""
     sample_seq_ids: list[int]
+    """The sampled sequences, in order."""
     sampling: list[SamplingRow]
+    """One per sampled row."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """Per sampled sequence, the drafts it verifies (its rows: 1 + len(drafts) of them)."""
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     """Rows whose next-token logprobs a sequence's prompt_logprobs asked for."""
     cp_relay: list[int] = field(default_factory=list)
@@ -130,13 +136,13 @@ class ModelRunner:
                                                    c.seq.prompt_len, c.seq.params.prompt_logprobs)
                 if span is not None:
                     inputs.prompt_spans.append(span)
-            ids.extend(c.seq.token_ids[c.start:end])
+            ids.extend(c.input_ids)
             positions.extend(range(c.start, end))
             query_lens.append(c.num_new)
             seq_lens.append(end)
             block_tables.append(c.seq.block_ids)
             if c.sampled:
-                self._add_sample(inputs, len(ids) - 1, c.seq_id, c.seq)
+                self._add_sample(inputs, len(ids) - 1 - len(c.draft), c.seq_id, c.seq, c.draft)
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         inputs.meta = self.model.backend.build_metadata(query_lens, seq_lens, block_tables, self.memory.block_size,
@@ -175,8 +181,8 @@ class ModelRunner:
         inputs.meta = build_cp_metadata(steps, cp.rank, self.memory.block_size, self.dtype, self.device)
         return inputs
 
-    def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams]]:
-        """(seq_id, params) of the sequences of `plan`, just executed, that the sampling rank
+    def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams, int]]:
+        """(seq_id, params, drafts verified) of the sequences of `plan`, just executed, that the sampling rank
         sampled: those whose known tokens are all computed now, in batch order (what `prepare`
         picks, on any rank, since every mirror holds the same tokens and counts)."""
         return self.mirror.sampled_after(plan)
@@ -190,22 +196,47 @@ class ModelRunner:
         return torch.cat([hidden, reduce_from_tp(rows, self.groups.cp)])
 
     @staticmethod
-    def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: MirrorSeq) -> None:
-        inputs.sample_rows.append(row)
+    def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: MirrorSeq, draft: list[int] = ()) -> None:
+        """Sample `seq` at `row`, and after each of its `draft` tokens in the rows after it:
+        each row as if the drafts before it were the sequence's (its length, its tokens)."""
         inputs.sample_seq_ids.append(seq_id)
-        inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids), seq.prompt_len, seq.token_ids))
+        inputs.drafts.append(list(draft))
+        tokens = seq.token_ids + list(draft) if draft else seq.token_ids
+        for j in range(len(draft) + 1):
+            inputs.sample_rows.append(row + j)
+            inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids) + j, seq.prompt_len, tokens))
 
     @staticmethod
-    def _grammar_masks(masks: TokenMasks | None, seq_ids: list[int],
+    def _grammar_masks(masks: TokenMasks | None, seq_ids: list[int], drafts: list[list[int]],
                        device: torch.device) -> tuple[torch.Tensor | None, list[int] | None]:
         """The plan's grammar masks as an int32 (k, words) tensor, and the sampled row each
-        one applies to (engine/structured.py)."""
+        one applies to (engine/structured.py; a constrained sequence drafts nothing, so it
+        has one row)."""
         if masks is None:
             return None, None
-        row_of = {s: i for i, s in enumerate(seq_ids)}
+        row_of, row = {}, 0
+        for s, draft in zip(seq_ids, drafts):
+            row_of[s] = row
+            row += 1 + len(draft)
         bits = torch.frombuffer(bytearray(masks.bits), dtype=torch.int32).view(len(masks.seq_ids), masks.words)
         keep = [k for k, s in enumerate(masks.seq_ids) if s in row_of]
         return bits[keep].to(device), [row_of[masks.seq_ids[k]] for k in keep]
+
+    @staticmethod
+    def _verify(tokens: list[int], logprobs: list[TokenLogprob | None] | None, drafts: list[list[int]]
+                ) -> tuple[list[int], list[TokenLogprob | None] | None, list[int]]:
+        """The tokens (and their logprobs) each sequence keeps of its rows' samples, and how
+        many (meshserve.engine.speculative.verify)."""
+        counts = accept(tokens, drafts)
+        kept_tokens: list[int] = []
+        kept_logprobs: list[TokenLogprob | None] = []
+        row = 0
+        for draft, n in zip(drafts, counts):
+            kept_tokens.extend(tokens[row:row + n])
+            if logprobs is not None:
+                kept_logprobs.extend(logprobs[row:row + n])
+            row += len(draft) + 1
+        return kept_tokens, kept_logprobs if logprobs is not None else None, counts
 
     def busy_seconds(self) -> float:
         """Time computing this rank's shard: the forward and sampling, less the waits for
@@ -252,8 +283,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         result = None
         if self.sampler is not None:
-            bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, logits.device)
+            bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, inputs.drafts, logits.device)
             tokens, logprobs = self.sampler(logits, inputs.sampling, bitmask, mask_rows)
-            result = StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs, prompt)
+            counts = None
+            if any(inputs.drafts):
+                tokens, logprobs, counts = self._verify(tokens, logprobs, inputs.drafts)
+            result = StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs, prompt, counts)
         self.stats.sample_seconds += time.perf_counter() - forwarded
         return result

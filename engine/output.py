@@ -46,14 +46,23 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def on_token(self, state: RequestState, logprob: TokenLogprob | None, grammar_done: bool = False) -> Delta | None:
-        """Account for the token just appended to `state.seq`; decide whether it finishes
-        the request; return what the client should receive now (None: nothing yet).
-        `grammar_done`: the request's structured-output constraint admits nothing more."""
+        """`add_token`, then what the client should receive now (None: nothing yet)."""
+        self.add_token(state, logprob, grammar_done)
+        return self.delta(state)
+
+    def add_token(self, state: RequestState, logprob: TokenLogprob | None, grammar_done: bool = False,
+                  length: int | None = None) -> None:
+        """Account for the token at `length - 1` of `state.seq` (default: its last) and decide
+        whether it finishes the request, as if the sequence ended there (a step appends its
+        accepted drafts at once). `grammar_done`: the request's structured-output constraint
+        admits nothing more."""
         seq, params = state.seq, state.seq.params
-        token = seq.token_ids[-1]
+        length = seq.num_tokens if length is None else length
+        token = seq.token_ids[length - 1]
+        num_output = length - seq.prompt_len
         if logprob is not None:
             state.logprobs.append(logprob)
-        may_stop = seq.num_output_tokens > params.min_tokens  # the sampler bans stop tokens before that
+        may_stop = num_output > params.min_tokens  # the sampler bans stop tokens before that
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             state.finish_reason = "stop"
         elif may_stop and token in params.stop_token_ids:
@@ -65,10 +74,8 @@ class OutputProcessor:
                 self._check_stop_strings(state, before)
         if state.finish_reason is None and grammar_done:
             state.finish_reason = "stop"
-        if state.finish_reason is None and (seq.num_output_tokens >= params.max_tokens
-                                            or seq.num_tokens >= self.max_model_len):
+        if state.finish_reason is None and (num_output >= params.max_tokens or length >= self.max_model_len):
             state.finish_reason = "length"
-        return self._delta(state)
 
     @staticmethod
     def _check_stop_strings(state: RequestState, before: int) -> None:
@@ -85,9 +92,10 @@ class OutputProcessor:
 
     def abort(self, state: RequestState) -> Delta:
         state.finish_reason = "abort"
-        return self._delta(state)
+        return self.delta(state)
 
-    def _delta(self, state: RequestState) -> Delta | None:
+    def delta(self, state: RequestState) -> Delta | None:
+        """What the client should receive of the request now (None: nothing yet)."""
         done = state.finish_reason is not None
         if not done and not state.stream:
             return None
@@ -102,6 +110,7 @@ class OutputProcessor:
             prompt_logprobs, state.sent_prompt_logprobs = state.prompt_logprobs, True
         state.sent_chars, state.sent_tokens, state.sent_logprobs = end, state.seq.num_output_tokens, len(state.logprobs)
         seq = state.seq
-        usage = Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens) if done else None
+        usage = Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens, seq.num_accepted_tokens,
+                      seq.num_draft_tokens - seq.num_accepted_tokens) if done else None
         return Delta(state.request_id, text, tokens, state.finish_reason if done else None, logprobs, usage,
                      state.stop_reason if done else None, prompt_logprobs)

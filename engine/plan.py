@@ -1,7 +1,10 @@
 """Scheduled batch -> StepPlan: new sequences in full, known ones as deltas.
 
 The driver remembers, per sequence, how many tokens and blocks the ranks hold; a
-sequence the ranks do not know (new, or resumed after preemption) is sent whole.
+sequence the ranks do not know (new, or resumed after preemption) is sent whole. A delta
+also carries the driver's computed count and how much of the block table the ranks keep:
+after a speculative step, the drafts the target accepted count as computed and the blocks
+only rejected drafts used are gone (meshserve.engine.speculative).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ class PlanBuilder:
         new: list[NewSeq] = []
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.sent_tokens:
-                running.append(SeqDelta(seq.seq_id, seq.token_ids[seq.sent_tokens:],
-                                        seq.block_ids[seq.sent_blocks:], n))
+                # sent_blocks: fewer than the ranks hold if rejected drafts gave blocks back (Scheduler.update)
+                running.append(SeqDelta(seq.seq_id, seq.token_ids[seq.sent_tokens:], seq.block_ids[seq.sent_blocks:],
+                                        n, seq.num_computed, seq.sent_blocks, list(seq.draft)))
             else:
                 new.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len, list(seq.block_ids),
-                                  seq.num_computed, n, seq.params))
+                                  seq.num_computed, n, seq.params, list(seq.draft)))
             seq.sent_tokens, seq.sent_blocks = seq.num_tokens, len(seq.block_ids)
         plan = StepPlan(self._step_id, running, new, self._dropped, masks)
         self._step_id += 1

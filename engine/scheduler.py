@@ -62,7 +62,10 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.seq_id in busy:
                 continue  # preempted a moment ago, or in flight
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed + len(seq.draft), budget)
+            if seq.draft and not self.blocks.can_grow(seq, n):
+                n = min(seq.num_uncomputed, budget)  # drafts never cost another sequence its blocks
+            del seq.draft[max(0, n - seq.num_uncomputed):]
             while not self.blocks.can_grow(seq, n):
                 victim = self._victim(busy, batch)
                 if victim is None:
@@ -105,22 +108,32 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        seq.draft = []
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a finished step: computed counts advance, and each sequence whose known
-        tokens are now all computed appends its sampled token. Returns those sequences."""
+    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[tuple[Sequence, list[int]]]:
+        """Record a finished step: computed counts advance (by the known tokens and the
+        accepted drafts; the blocks only rejected drafts used are given back), and each
+        sequence whose known tokens are now all computed appends its sampled tokens (its
+        accepted drafts, then the one sampled after them). Returns those sequences with
+        their new tokens."""
         grown = []
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
-            self.blocks.computed(seq, n)
-            if seq.num_computed == seq.num_tokens:
-                seq.token_ids.append(sampled[seq.seq_id])
-                grown.append(seq)
+            drafted = len(seq.draft)
+            tokens = sampled.get(seq.seq_id, [])
+            accepted = len(tokens) - 1 if drafted else 0
+            seq.draft = []
+            self.blocks.computed(seq, n - drafted + accepted)
+            if accepted < drafted and self.blocks.trim(seq):
+                seq.sent_blocks = min(seq.sent_blocks, len(seq.block_ids))  # the next plan tells the ranks
+            if seq.num_computed - accepted == seq.num_tokens:
+                seq.token_ids.extend(tokens)
+                grown.append((seq, tokens))
         return grown
 
     def finish(self, seq: Sequence) -> None:

@@ -43,6 +43,13 @@ class Sequence:
     """Tokens of the leading blocks already offered to the prefix cache."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when the request was first admitted."""
+    # Speculative decoding (meshserve.engine.speculative)
+    draft: list[int] = field(default_factory=list)
+    """Tokens proposed after token_ids for the step being scheduled or in flight."""
+    num_draft_tokens: int = 0
+    """Proposed tokens verified so far."""
+    num_accepted_tokens: int = 0
+    """Of those, the tokens accepted."""
 
     @property
     def num_tokens(self) -> int:

@@ -175,6 +175,9 @@ class GuidedDecoding:
     def __bool__(self) -> bool:
         return bool(self._matchers)
 
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._matchers
+
     def add(self, seq_id: int, grammar: Grammar) -> None:
         self._matchers[seq_id] = grammar.matcher()
 

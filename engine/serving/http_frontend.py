@@ -49,7 +49,7 @@ from meshserve.engine.serving.openai_protocol import (MAX_N, ChatCompletionReque
                                                       StreamOptions, check_model, engine_error, from_request_error,
                                                       ignored_fields)
 from meshserve.engine.serving.openai_shapes import (ChatShapes, ChoiceContext, CompletionShapes, LogprobFormatter,
-                                                    best_of, cached_tokens, usage_dict)
+                                                    best_of, cached_tokens, draft_tokens, usage_dict)
 from meshserve.engine.serving.http_app import (IGNORED_HEADER, ClientDisconnected, CountingApp, EventStream,
                                                StreamError, build_app, with_cors)
 from meshserve.engine.serving.responses_api import ResponsesApi
@@ -489,7 +489,8 @@ class HttpFrontend:
         only the n returned)."""
         results, shapes = gen.results, gen.shapes
         usage = usage_dict(sum(len(p) for p in gen.prompt_ids), sum(c.usage.completion_tokens for c in results),
-                           cached_tokens({i: c.usage for i, c in enumerate(results)}, gen.per_prompt))
+                           cached_tokens({i: c.usage for i, c in enumerate(results)}, gen.per_prompt),
+                           draft_tokens(c.usage for c in results))
         choices = [shapes.choice(i, c) for i, c in enumerate(best_of(results, gen.per_prompt, gen.n))]
         return self._header(gen.run) | {"object": shapes.object, "choices": choices, "usage": usage} | (
             shapes.top_level(results))
@@ -538,7 +539,8 @@ class HttpFrontend:
                         raise StreamError(engine_error(msg.code, msg.message))
                     run.done(index, msg)
             if usage is not None:
-                final = usage_dict(prompt_tokens, completion_tokens, cached_tokens(usages, gen.n))
+                final = usage_dict(prompt_tokens, completion_tokens, cached_tokens(usages, gen.n),
+                                   draft_tokens(usages.values()))
                 yield [header | {"choices": [], "usage": final}]
         finally:  # also when the client disconnects: Starlette cancels the stream
             run.close()

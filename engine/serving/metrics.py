@@ -124,6 +124,19 @@ class EngineMetrics:
                                        ["rank"], registry=r)
         self.rank_memory = Gauge(PREFIX + "rank_resident_memory_bytes", "Resident memory of each rank", ["rank"],
                                  registry=r)
+        self.spec_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Sequence-steps that verified proposed tokens",
+                                   registry=r)
+        self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position in their draft (0: first)",
+                                             ["position"], registry=r)
+        self.spec_acceptance = Gauge(PREFIX + "spec_decode_acceptance_rate", "spec_decode_num_accepted_tokens over "
+                                     "spec_decode_num_draft_tokens since the start (0-1)", registry=r)
+        self.spec_mean_length = Gauge(PREFIX + "spec_decode_mean_accepted_length", "Tokens per verified draft since "
+                                      "the start: its accepted tokens plus the one sampled after them", registry=r)
         self._cost: ModelCost | None = None
         self._roofline: Roofline | None = None
         self._times: dict[int, _Times] = {}
@@ -142,6 +155,10 @@ class EngineMetrics:
         if roofline is not None:
             self.peak_flops.set(roofline.peak_flops)
             self.peak_bandwidth.set(roofline.memory_bandwidth)
+        if engine.speculator is not None:
+            stats = engine.speculator.stats
+            self.spec_acceptance.set_function(lambda: stats.acceptance_rate)
+            self.spec_mean_length.set_function(lambda: stats.mean_accepted_length)
         engine.observer = self
         self._engine = engine
 
@@ -175,6 +192,13 @@ class EngineMetrics:
             self.itl.observe(now - t.last_token)
         t.last_token = now
         self.generation_tokens.inc()
+
+    def on_verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
+        for position in range(accepted):
+            self.spec_accepted_per_pos.labels(str(position)).inc()
 
     def on_finished(self, state: RequestState) -> None:
         t = self._times.pop(state.seq.seq_id, None)

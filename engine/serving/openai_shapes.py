@@ -11,14 +11,26 @@ from meshserve.comm.messages import Completion, Delta, TokenLogprob, Usage
 from meshserve.engine.serving.tools import ToolCallStream, ToolFormat
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+               draft_tokens: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """OpenAI's usage object; `cached_tokens` (once known, at the end): prompt tokens whose KV
-    came from the prefix cache."""
+    came from the prefix cache. `draft_tokens`: speculative decoding's (accepted, rejected)
+    proposed tokens, as OpenAI's completion_tokens_details names predicted outputs' (given
+    where any were proposed)."""
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                              "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if any(draft_tokens):
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": draft_tokens[0],
+                                              "rejected_prediction_tokens": draft_tokens[1]}
     return usage
+
+
+def draft_tokens(usages) -> tuple[int, int]:
+    """Speculative decoding's (accepted, rejected) proposed tokens over every sample."""
+    usages = list(usages)
+    return sum(u.accepted_draft_tokens for u in usages), sum(u.rejected_draft_tokens for u in usages)
 
 
 def cached_tokens(usages: dict[int, Usage], n: int) -> int:

@@ -26,12 +26,19 @@ class CollectMode:
         completions = generate(engine, self.prompts, self.params)
         if self.then is not None:
             completions += generate(engine, *self.then)
-        self.results = [{"token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                         "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []],
-                         "cached_tokens": c.usage.cached_tokens}
-                        for c in completions]
+        self.results = as_results(completions)
         self.stats = {"preemptions": engine.scheduler.num_preemptions, "steps": engine.stats.steps}
+        if engine.speculator is not None:
+            spec = engine.speculator.stats
+            self.stats |= {"draft_tokens": spec.num_draft_tokens, "accepted_tokens": spec.num_accepted_tokens}
         return 0
+
+
+def as_results(completions) -> list[dict]:
+    """What run_engine returns of each completion (picklable, for assert_same)."""
+    return [{"token_ids": c.token_ids, "finish_reason": c.finish_reason,
+             "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs or []],
+             "cached_tokens": c.usage.cached_tokens} for c in completions]
 
 
 def run_engine(groups, overrides: list[str], prompts: list[list[int]], params: list[SamplingParams], then=None):

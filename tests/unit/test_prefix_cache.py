@@ -147,7 +147,7 @@ def test_eviction_takes_free_blocks_first_then_the_least_recently_used():
     sched = Scheduler(blocks, max_num_seqs=4, max_batched_tokens=64)
     a = Sequence(0, 0, [1, 2, 3, 4, 5], 5, greedy(1))
     batch = admitted(sched, a)
-    sched.update(batch, {0: 9})
+    sched.update(batch, {0: [9]})
     sched.finish(a)  # 2 full blocks cached (evictable), its third freed
     assert (blocks.num_evictable, blocks.num_cached, blocks.num_free) == (2, 2, 6)
     b = Sequence(1, 1, [7, 7, 7, 7, 7], 5, greedy(1))
@@ -165,7 +165,7 @@ def test_reset_forgets_cached_blocks_and_keeps_running_ones():
     blocks = BlockManager(8, 2, prefix_caching=True)
     sched = Scheduler(blocks, max_num_seqs=4, max_batched_tokens=64)
     a = Sequence(0, 0, [1, 2, 3, 4, 5], 5, greedy(3))
-    sched.update(admitted(sched, a), {0: 9})
+    sched.update(admitted(sched, a), {0: [9]})
     held = list(a.block_ids)
     assert blocks.num_cached == 2 and blocks.reset_prefix_cache() == 2
     assert a.block_ids == held and blocks.num_cached == 0 and blocks.num_free == 8 - len(held)

@@ -41,6 +41,7 @@ from meshserve.engine.mirror import SequenceMirror  # noqa: E402
 from meshserve.engine.plan import PlanBuilder  # noqa: E402
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler  # noqa: E402
 from meshserve.engine.sequence import Sequence, SeqStatus  # noqa: E402
+from meshserve.engine.speculative.verify import accept  # noqa: E402
 from meshserve.parallel.context import advance, chunk_owners, is_split, local_lens_of, rank_share  # noqa: E402
 
 
@@ -91,10 +92,13 @@ class Scenario:
     max_batched_tokens: int
     reqs: tuple[Req, ...]
     prefix_caching: bool = False
+    speculate: int = 0
+    """Speculative decoding: the most draft tokens per step (0: none). Each draft's length and
+    how many of its tokens are right follow from the sequence and its length."""
 
 
 @st.composite
-def scenarios(draw, allow_aborts: bool = True, prefix_caching: bool = False) -> Scenario:
+def scenarios(draw, allow_aborts: bool = True, prefix_caching: bool = False, speculate: bool = False) -> Scenario:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     num_blocks = draw(st.integers(1, 12))
     capacity = block_size * num_blocks
@@ -114,7 +118,7 @@ def scenarios(draw, allow_aborts: bool = True, prefix_caching: bool = False) -> 
         reqs.append(Req(draw(st.integers(0, 8)), prompt_len, total - prompt_len, abort_after,
                         draw(st.booleans()), prompt, salt))
     return Scenario(block_size, num_blocks, draw(st.integers(1, 5)), draw(st.integers(1, 24)), tuple(reqs),
-                    prefix_caching)
+                    prefix_caching, draw(st.integers(1, 5)) if speculate else 0)
 
 
 @dataclass
@@ -155,6 +159,18 @@ def check_blocks(bm: BlockManager, live: list[Sequence], finished: list[Sequence
 
 def prompt_of(r: Req, seq_id: int) -> list[int]:
     return list(r.prompt) if r.prompt is not None else [fake_token(10_000 + seq_id, p) for p in range(r.prompt_len)]
+
+
+def propose(seq: Sequence, most: int, limit: int) -> list[int]:
+    """A draft for `seq` (whose last token is uncomputed): up to `most` tokens, a leading run
+    of them the ones the "model" samples (fake_token), then wrong ones; lengths drawn from
+    the sequence and its length, and capped as the engine caps them (max_tokens, `limit`)."""
+    length = seq.num_tokens
+    h = fake_token(seq.seq_id, length)
+    k = min(h % (most + 1), seq.params.max_tokens - seq.num_output_tokens - 1, limit - length)
+    right = (h // 7) % (k + 1) if k > 0 else 0
+    return [fake_token(seq.seq_id, length + j) if j < right else fake_token(seq.seq_id, length + j) ^ 1
+            for j in range(max(0, k))]
 
 
 def simulate(sc: Scenario) -> Outcome:
@@ -217,7 +233,14 @@ def simulate(sc: Scenario) -> Outcome:
             continue
 
         running_before = set(id(s) for s in sched.running)
+        if sc.speculate:  # as Engine._draft: the running sequences with one token to compute
+            for seq in sched.running:
+                seq.draft = propose(seq, sc.speculate, sc.block_size * sc.num_blocks + 1) \
+                    if seq.num_uncomputed == 1 else []
         batch = sched.schedule()
+        for seq in sched.running:
+            if seq.draft and all(s is not seq for s in batch.seqs):
+                seq.draft = []
         step += 1
 
         # --- invariants of the schedule
@@ -235,7 +258,8 @@ def simulate(sc: Scenario) -> Outcome:
             assert not [s for s in sched.running if id(s) not in running_before], "admitted while preempting"
         for seq, n in zip(batch.seqs, batch.num_new):
             assert seq.status is SeqStatus.RUNNING
-            assert n <= seq.num_uncomputed
+            assert n <= seq.num_uncomputed + len(seq.draft)
+            assert not seq.draft or n == seq.num_uncomputed + len(seq.draft) == 1 + len(seq.draft)
             # enough blocks for the tokens scheduled this step, and not more
             assert len(seq.block_ids) == ceil_div(seq.num_computed + n, sc.block_size)
         # FCFS: running (in admission order) then waiting is in arrival order, so nothing
@@ -266,7 +290,9 @@ def simulate(sc: Scenario) -> Outcome:
             assert mseq.token_ids == seq.token_ids, f"seq {sid}: rank tokens differ from the driver's"
             assert mseq.block_ids == seq.block_ids, f"seq {sid}: rank block table differs from the driver's"
             # the driver counts the step's tokens when it finishes (update), the mirror when applied
-            assert c.start == seq.num_computed and mseq.num_computed == seq.num_computed + want_n
+            # (a draft's once it is accepted: the next plan says how many were)
+            assert c.draft == seq.draft
+            assert c.start == seq.num_computed and mseq.num_computed == seq.num_computed + want_n - len(seq.draft)
             assert c.owners is None and mseq.local_lens == [] and mseq.local_positions == []
             assert mseq.prompt_len == seq.prompt_len and mseq.params == seq.params
             # the step writes its chunk (every layer stores the whole step's K/V before it attends)
@@ -274,7 +300,7 @@ def simulate(sc: Scenario) -> Outcome:
                 slot = mseq.block_ids[p // bs] * bs + p % bs
                 assert slot not in written, f"seq {sid}: slot {slot} written twice in one step"
                 written.add(slot)
-                kv[slot] = (p, mseq.token_ids[p])
+                kv[slot] = (p, c.input_ids[p - c.start])
         for c in chunks:  # then what each chunk reads, its cached prefix included, is its own sequence's
             for p in range(c.start):
                 slot = c.seq.block_ids[p // bs] * bs + p % bs
@@ -283,10 +309,21 @@ def simulate(sc: Scenario) -> Outcome:
 
         # --- the step "runs"; the sampling rank samples for seqs at the end of their tokens
         to_sample = [c.seq_id for c in chunks if c.sampled]
-        want_sample = [s.seq_id for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
+        want_sample = [s.seq_id for s, n in zip(batch.seqs, batch.num_new)
+                       if s.num_computed + n - len(s.draft) == s.num_tokens]
         assert to_sample == want_sample
-        assert mirror.sampled_after(rank_plan) == [(sid, seqs[sid].params) for sid in want_sample]
-        new_tokens = {sid: fake_token(sid, len(mirror.seqs[sid].token_ids)) for sid in to_sample}
+        assert mirror.sampled_after(rank_plan) == [(sid, seqs[sid].params, len(seqs[sid].draft))
+                                                   for sid in want_sample]
+        # the "model" samples fake_token at every row: after the known tokens and after each draft
+        drafts = [seqs[sid].draft for sid in to_sample]
+        rows = [fake_token(sid, len(mirror.seqs[sid].token_ids) + j)
+                for sid, draft in zip(to_sample, drafts) for j in range(len(draft) + 1)]
+        kept = dict(zip(to_sample, accept(rows, drafts)))
+        new_tokens = {sid: [fake_token(sid, len(mirror.seqs[sid].token_ids) + j) for j in range(kept[sid])]
+                      for sid in to_sample}
+        for sid, draft in zip(to_sample, drafts):
+            assert new_tokens[sid][:-1] == draft[:kept[sid] - 1], "a wrong draft token was accepted"
+        drafted = {s.seq_id: len(s.draft) for s in batch.seqs}
 
         # Aborts that race the running step.
         for seq in live():
@@ -294,12 +331,13 @@ def simulate(sc: Scenario) -> Outcome:
                 end(seq, aborted)
 
         computed_before = {s.seq_id: s.num_computed for s in batch.seqs}
-        grown = sched.update(batch, new_tokens)
+        grown = [seq for seq, _ in sched.update(batch, new_tokens)]
         assert [s.seq_id for s in grown] == [sid for sid in want_sample if seqs[sid].status is SeqStatus.RUNNING]
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.status is SeqStatus.RUNNING:
-                assert seq.num_computed == computed_before[seq.seq_id] + n
-                assert mirror.seqs[seq.seq_id].num_computed == seq.num_computed
+                accepted = kept.get(seq.seq_id, 1) - 1
+                assert seq.num_computed == computed_before[seq.seq_id] + n - drafted[seq.seq_id] + accepted
+                assert not seq.draft
         for seq in grown:
             assert seq.token_ids == expected_tokens(seq, seq.num_output_tokens)
             assert seq.num_uncomputed == 1
@@ -356,6 +394,16 @@ def test_engine_loop_invariants_with_prefix_caching(sc):
     check_outcome(sc, simulate(sc))
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.booleans().flatmap(lambda cached: scenarios(prefix_caching=cached, speculate=True)))
+def test_engine_loop_invariants_with_speculation(sc):
+    """Drafts partly right, verified and rolled back, with preemption, aborts and prefix
+    caching: the ranks' mirrors follow the driver's computed counts and block tables, each
+    step reads only the K/V of accepted tokens (never a rejected draft's), the blocks only
+    rejected drafts used are given back, and no draft token reaches the prefix cache."""
+    check_outcome(sc, simulate(sc))
+
+
 # ---------------------------------------------------------------- deterministic cases
 
 
@@ -378,7 +426,7 @@ def test_preemption_takes_the_most_recently_admitted():
     sched.add(b)
     batch = sched.schedule()
     assert batch.seqs == [a, b] and bm.num_free == 1
-    sched.update(batch, {0: 5, 1: 6})
+    sched.update(batch, {0: [5], 1: [6]})
     batch = sched.schedule()  # a takes the last block; b has none left and preempts itself
     assert batch.seqs == [a] and batch.preempted == [b]
     assert list(sched.waiting) == [b] and b.num_computed == 0 and b.token_ids == [1, 6]
@@ -394,7 +442,7 @@ def test_token_budget_chunks_a_long_prompt():
     while True:
         batch = sched.schedule()
         chunks.append(batch.num_new)
-        grown = sched.update(batch, {0: 99})
+        grown = sched.update(batch, {0: [99]})
         if grown:
             break
     assert chunks == [[5], [5], [2]]
@@ -410,7 +458,7 @@ def test_admission_respects_max_num_seqs_and_order():
     batch = sched.schedule()
     assert batch.seqs == seqs[:2]
     assert list(sched.waiting) == seqs[2:]
-    sched.update(batch, {0: 7, 1: 8})
+    sched.update(batch, {0: [7], 1: [8]})
     sched.finish(seqs[0])
     batch = sched.schedule()
     assert batch.seqs == [seqs[1], seqs[2]] and batch.num_new == [1, 3]
@@ -425,7 +473,7 @@ def test_plan_sends_new_seqs_whole_then_deltas():
     p0 = plans.build(batch := sched.schedule())
     assert [n.seq_id for n in p0.new] == [5] and p0.new[0].token_ids == [1, 2, 3, 4] and p0.running == []
     assert p0.new[0].block_ids == seq.block_ids and len(seq.block_ids) == 2 and p0.new[0].num_new == 4
-    sched.update(batch, {5: 9})
+    sched.update(batch, {5: [9]})
     p1 = plans.build(batch := sched.schedule())
     assert p1.new == [] and len(p1.running) == 1
     d = p1.running[0]
@@ -515,7 +563,7 @@ def test_cp_prefix_cache_unit_is_one_table_entry():
     sched.add(first)
     batch = sched.schedule()
     assert len(first.block_ids) == 3  # 9 tokens: rank 0 holds 5 (positions 0-1, 4-5, 8)
-    sched.update(batch, {0: 99})
+    sched.update(batch, {0: [99]})
     first_blocks = list(first.block_ids)
     sched.finish(first)
     second = Sequence(1, 1, list(range(9)), 9, SamplingParams(max_tokens=1))

@@ -1,0 +1,84 @@
+"""Proposers: guess the tokens that follow a sequence, on the driver, before a step.
+
+A proposer returns token ids only. Verification treats each proposal as a point mass, for
+which rejection sampling needs no proposal probabilities (meshserve.engine.speculative.verify),
+so a proposer may be a lookup, a tree or a model alike.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from meshserve.engine.sequence import Sequence
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens likely to follow `seq.token_ids` (none: no guess)."""
+
+    def drop(self, seq_id: int) -> None:
+        """`seq_id` finished: forget what was kept for it."""
+
+
+MAX_CANDIDATES = 8
+"""Earlier occurrences of the last `min_n` tokens examined per proposal, most recent first."""
+
+
+class _Index:
+    """Where each `min_n`-gram of one sequence ended, for the tokens indexed so far."""
+
+    def __init__(self) -> None:
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0
+        """n-grams ending before this position are in `ends`."""
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's `ngram` method, llama.cpp's lookup decoding): find the latest
+    earlier place where the sequence's last n tokens occurred, n from `max_n` down to `min_n`
+    (the longest match wins, then the latest), and propose what followed it there, continued
+    periodically past the sequence's end (a loop repeats). Model-free,
+    so it pays off on output that copies its input: code edits, quoting summaries, extraction.
+
+    Each sequence's index grows with its tokens (a dict from `min_n`-gram to where it ended),
+    so a proposal costs O(new tokens + MAX_CANDIDATES * max_n), not a scan of the context."""
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[int, _Index] = {}
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        tokens = seq.token_ids
+        length = len(tokens)
+        if max_tokens <= 0 or length <= self.min_n:
+            return []
+        index = self._index.setdefault(seq.seq_id, _Index())
+        n = self.min_n
+        # n-grams ending before the last position: the suffix itself must not match itself
+        for end in range(max(index.indexed, n), length):
+            index.ends.setdefault(tuple(tokens[end - n:end]), []).append(end)
+        index.indexed = max(index.indexed, length)
+        candidates = index.ends.get(tuple(tokens[length - n:]))
+        if not candidates:
+            return []
+        best_end, best_len = -1, 0
+        for end in reversed(candidates[-MAX_CANDIDATES:]):
+            matched = n
+            while (matched < self.max_n and end - matched - 1 >= 0
+                   and tokens[end - matched - 1] == tokens[length - matched - 1]):
+                matched += 1
+            if matched > best_len:
+                best_end, best_len = end, matched
+                if matched == self.max_n:
+                    break
+        # what followed there, copied past the sequence's end from the copy itself (as LZ77
+        # copies overlap): a run of one token, or a loop shorter than max_tokens, continues
+        proposal = tokens[best_end:best_end + max_tokens]
+        while len(proposal) < max_tokens:
+            proposal.append(proposal[len(proposal) - (length - best_end)])
+        return proposal
+
+    def drop(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)

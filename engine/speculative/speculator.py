@@ -1,0 +1,63 @@
+"""The driver's side of speculative decoding: drafts for the decoding sequences before a
+step is scheduled, and the counts after it is verified."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshserve.engine.sequence import Sequence
+from meshserve.engine.speculative.policy import DraftPolicy
+from meshserve.engine.speculative.proposer import Proposer
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec_decode counters."""
+
+    num_drafts: int = 0
+    """Sequence-steps that verified at least one draft token."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    """Of the drafts, how many kept their first, second, ... token."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verified draft: its accepted tokens plus the one sampled after them."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, policy: DraftPolicy, max_model_len: int):
+        self.proposer, self.policy, self.max_model_len = proposer, policy, max_model_len
+        self.stats = SpecStats(accepted_per_position=[0] * policy.max_tokens)
+
+    def draft(self, seqs: list[Sequence]) -> None:
+        """Set `draft` of each of `seqs` (running sequences with one token to compute, in the
+        coming step together)."""
+        for seq in seqs:
+            k = min(self.policy.num_tokens(seq, len(seqs)),
+                    seq.params.max_tokens - seq.num_output_tokens - 1,  # the token after the drafts counts too
+                    self.max_model_len - seq.num_tokens)
+            seq.draft = self.proposer.propose(seq, k) if k > 0 else []
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        seq.num_draft_tokens += drafted
+        seq.num_accepted_tokens += accepted
+        self.policy.verified(seq.seq_id, drafted, accepted)
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += drafted
+        self.stats.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.stats.accepted_per_position[j] += 1
+
+    def step_done(self, num_tokens: int, seconds: float) -> None:
+        self.policy.cost.add(num_tokens, seconds)
+
+    def drop(self, seq_id: int) -> None:
+        self.proposer.drop(seq_id)
+        self.policy.drop(seq_id)

@@ -1,0 +1,324 @@
+"""Speculative decoding on one rank (meshserve.engine.speculative): the n-gram proposer
+against a brute-force search, the acceptance rule, the draft policy, and the engine with
+speculation against the same engine without it on a tiny random Llama (float32): greedy
+output token for token (logprobs, stops, preemption, prefix caching, mixed batches), seeded
+sampling token for token, the sampled distribution of the verified tokens against the
+target's own (a chi-square test), and the KV cache after rejections, layer by layer."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshserve.comm.messages import SamplingParams
+from meshserve.engine.offline import generate
+from meshserve.engine.sequence import Sequence
+from meshserve.engine.speculative.policy import PROBE_EVERY, DraftPolicy, StepCost
+from meshserve.engine.speculative.proposer import MAX_CANDIDATES, NgramProposer
+from meshserve.engine.speculative.verify import accept
+from support.checkpoints import make_checkpoint
+from support.engines import make_engine
+
+NGRAM = ["speculative.method=ngram", "speculative.adaptive=false", "speculative.prompt_lookup_min=1"]
+"""Always draft what the lookup finds (a tiny random model repeats itself, which the lookup
+catches from one matching token)."""
+
+
+def seq_of(tokens: list[int], seq_id: int = 0, max_tokens: int = 100) -> Sequence:
+    return Sequence(seq_id, seq_id, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+# ---------------------------------------------------------------- the n-gram proposer
+
+
+def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The longest match of the last n tokens (min_n <= n <= max_n) among the latest
+    MAX_CANDIDATES earlier occurrences of the last min_n tokens, the latest on ties."""
+    length = len(tokens)
+    if length <= min_n:
+        return []
+    suffix = tokens[length - min_n:]
+    ends = [e for e in range(min_n, length) if tokens[e - min_n:e] == suffix][-MAX_CANDIDATES:]
+    best, best_len = None, 0
+    for e in reversed(ends):
+        n = min_n
+        while n < max_n and e - n - 1 >= 0 and tokens[e - n - 1] == tokens[length - n - 1]:
+            n += 1
+        if n > best_len:
+            best, best_len = e, n
+    if best is None:
+        return []
+    extended = list(tokens)
+    while len(extended) < best + k:  # a copy overlapping its own output
+        extended.append(extended[len(extended) - (length - best)])
+    return extended[best:best + k]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=0, max_size=60), min_n=st.integers(1, 3),
+       extra=st.integers(0, 3), k=st.integers(1, 6), cut=st.integers(0, 60))
+def test_ngram_proposals_match_a_brute_force_search(tokens, min_n, extra, k, cut):
+    """Proposed twice, before and after the sequence grows: the index kept between the two
+    calls gives what a search of the whole sequence gives."""
+    proposer = NgramProposer(min_n, min_n + extra)
+    seq = seq_of(tokens[:cut])
+    assert proposer.propose(seq, k) == brute_force(seq.token_ids, min_n, min_n + extra, k)
+    seq.token_ids.extend(tokens[cut:])
+    assert proposer.propose(seq, k) == brute_force(seq.token_ids, min_n, min_n + extra, k)
+
+
+def test_ngram_prefers_the_longest_then_the_latest_match():
+    proposer = NgramProposer(1, 3)
+    # "7 8" occurs twice; "5 7 8" once, earlier: the longer match wins
+    assert proposer.propose(seq_of([5, 7, 8, 1, 2, 9, 7, 8, 3, 4, 5, 7, 8]), 2) == [1, 2]
+    # two equally long matches: the latest
+    assert proposer.propose(seq_of([7, 8, 1, 7, 8, 2, 7, 8], seq_id=1), 1) == [2]
+    assert proposer.propose(seq_of([1, 2, 3], seq_id=2), 4) == []  # no earlier occurrence
+    assert proposer.propose(seq_of([4, 1, 2, 3, 1, 2, 3, 1, 2], seq_id=4), 5) == [3, 1, 2, 3, 1]  # a loop goes on
+    assert proposer.propose(seq_of([6, 9, 9, 9], seq_id=5), 3) == [9, 9, 9]
+    assert proposer.propose(seq_of([1, 2, 1], seq_id=3), 0) == []
+    proposer.drop(0)
+    assert 0 not in proposer._index
+
+
+# ---------------------------------------------------------------- the acceptance rule
+
+
+def test_accept_keeps_the_drafts_up_to_the_first_disagreement():
+    # rows: seq A (2 drafts), seq B (no draft), seq C (3 drafts)
+    rows = [5, 6, 9] + [1] + [4, 4, 8, 0]
+    assert accept(rows, [[5, 6], [], [4, 7, 8]]) == [3, 1, 2]
+    assert accept([2, 3], [[1]]) == [1]  # the first draft rejected: the row's own token only
+
+
+# ---------------------------------------------------------------- the draft policy
+
+
+def test_step_cost_fit_and_threshold():
+    cost = StepCost()
+    for t in [1, 2, 4, 8, 16, 32] * 3:
+        cost.add(t, 0.010 + 0.001 * t)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.001)
+    assert cost.threshold(1) == pytest.approx(0.001 / 0.011)
+    assert cost.threshold(32) == pytest.approx(0.032 / 0.042)
+    same = StepCost()
+    for _ in range(10):
+        same.add(4, 0.02)
+    assert same.fit() is None  # steps of one size say nothing about the slope
+
+
+def test_policy_drafts_eagerly_when_memory_bound_and_not_when_compute_bound():
+    policy = DraftPolicy(max_tokens=8)
+    seq = seq_of([1, 2, 3])
+    for t in [1, 2, 4, 8, 16, 32] * 3:
+        policy.cost.add(t, 0.050 + 0.0005 * t)  # reading the weights dominates
+    assert policy.num_tokens(seq, 1) >= 4
+    for _ in range(40):
+        policy.verified(0, 4, 0)  # everything rejected
+    assert policy.acceptance(0) < 0.06
+    assert policy.num_tokens(seq, 1) == 1  # a token costs 1% of a step here
+    policy.cost = StepCost()
+    for t in [1, 2, 4, 8, 16, 32] * 3:
+        policy.cost.add(t, 0.010 + 0.001 * t)  # a token costs 9% of a one-sequence step
+    assert policy.num_tokens(seq, 1) == 0
+    compute_bound = DraftPolicy(max_tokens=8)
+    for t in [1, 2, 4, 8, 16, 32] * 3:
+        compute_bound.cost.add(t, 0.001 + 0.002 * t)
+    compute_bound.verified(0, 4, 2)
+    ks = [compute_bound.num_tokens(seq, 32) for _ in range(2 * PROBE_EVERY)]
+    assert ks.count(1) == 2 and set(ks) == {0, 1}  # nothing but a probe now and then
+    assert DraftPolicy(max_tokens=3, adaptive=False).num_tokens(seq, 64) == 3
+
+
+# ---------------------------------------------------------------- the engine, greedy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # small weights: the model falls into loops, which the lookup catches, and out of them
+    return make_checkpoint(tmp_path_factory.mktemp("spec") / "llama", "llama", seed=1, initializer_range=0.09)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7], list(range(100, 140)) * 2, [3, 4] * 20,
+           list(range(200, 260)), [9] * 7]
+
+
+def assert_same(got, want, logprobs: bool = True):
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert (g.text, g.finish_reason, g.stop_reason) == (w.text, w.finish_reason, w.stop_reason)
+        if logprobs:
+            assert len(g.logprobs) == len(w.logprobs)
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.max_model_len=128", "cache.num_blocks=32", "cache.block_size=4"],
+                                       ["scheduler.max_batched_tokens=24"]],
+                         ids=["batch", "preemption", "chunked-prefill"])
+def test_greedy_output_is_the_output_without_speculation(tiny, overrides):
+    """Five prompts at once (prefills beside drafting decodes), one with penalties and one with
+    a seed at temperature 0; with few blocks (preemption) or a small step budget. Prefix
+    caching is on (the default): a prompt's second half repeats its first."""
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0, presence_penalty=0.5,
+                             repetition_penalty=1.2),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1, seed=7),
+              SamplingParams(max_tokens=44, temperature=0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1, min_tokens=5)]
+    want = generate(make_engine(tiny, *overrides), PROMPTS, params)
+    spec = make_engine(tiny, *NGRAM, *overrides)
+    got = generate(spec, PROMPTS, params)
+    assert_same(got, want)
+    stats = spec.speculator.stats
+    assert stats.num_accepted_tokens >= 20 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert sum(c.usage.accepted_draft_tokens for c in got) == stats.num_accepted_tokens
+    assert sum(c.usage.rejected_draft_tokens for c in got) == stats.num_draft_tokens - stats.num_accepted_tokens
+    assert stats.accepted_per_position[0] >= stats.accepted_per_position[1]
+    if "cache.num_blocks=32" in overrides:
+        assert spec.scheduler.num_preemptions > 0
+    assert spec.scheduler.blocks.num_free == spec.memory.num_blocks  # every block back, none lost to drafts
+
+
+def test_stops_inside_accepted_drafts_end_where_they_would_without(tiny):
+    """Stop tokens, stop strings and max_tokens taken from the output without speculation, so
+    that they fall inside runs of accepted drafts: the same tokens, text and reasons."""
+    base = make_engine(tiny)
+    free = generate(base, PROMPTS[:3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[free[0].token_ids[25]]),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[free[1].text[-12:-6]],
+                             include_stop_str_in_output=True),
+              SamplingParams(max_tokens=13, temperature=0, ignore_eos=True)]
+    want = generate(base, PROMPTS[:3], params)
+    got = generate(make_engine(tiny, *NGRAM), PROMPTS[:3], params)
+    assert_same(got, want, logprobs=False)
+    assert [c.finish_reason for c in got] == ["stop", "stop", "length"]
+
+
+def test_seeded_sampling_is_the_output_without_speculation(tiny):
+    """A seeded row draws from a generator keyed by the sequence's length, with or without
+    drafts before it: verifying by sampling each row and keeping the matches reproduces the
+    same tokens (and a second run the same again)."""
+    params = [SamplingParams(max_tokens=40, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
+              for t, p, k, s in [(0.8, 0.9, 0, 1), (1.0, 1.0, 20, 2), (0.5, 0.95, 0, 3), (1.2, 1.0, 0, 4),
+                                 (0.3, 1.0, 5, 5)]]
+    want = generate(make_engine(tiny), PROMPTS, params)
+    spec = make_engine(tiny, *NGRAM)
+    got = generate(spec, PROMPTS, params)
+    assert_same(got, want, logprobs=False)
+    assert spec.speculator.stats.num_accepted_tokens > 0
+    assert_same(generate(spec, PROMPTS, params), want, logprobs=False)
+
+
+class FixedProposer:
+    """Proposes the same tokens after the first output token."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return self.tokens[:max_tokens] if seq.num_output_tokens == 1 else []
+
+    def drop(self, seq_id: int) -> None:
+        pass
+
+
+def chi_square_sf(x: float, dof: int) -> float:
+    """P(X >= x) for X ~ chi-square with `dof` degrees of freedom."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def test_sampled_tokens_follow_the_targets_distribution(tiny):
+    """Temperature 1, top_k 2: the joint distribution of a request's first three tokens, the
+    second and third verified drafts (a fixed proposal, right part of the time), against the target's
+    exact one (products of its top-2 probabilities, renormalized, from greedy runs with
+    logprobs). Pearson's chi-square over the 8 outcomes; the test fails when p < 1e-4, its
+    false-alarm rate."""
+    prompt = [11, 12, 13, 14]
+    base = make_engine(tiny)
+
+    def top2(tokens):  # the target's top-2 next tokens and their renormalized probabilities
+        (c,) = generate(base, [tokens], SamplingParams(max_tokens=1, temperature=0, logprobs=2, ignore_eos=True))
+        ids, lps = zip(*c.logprobs[0].top)
+        z = sum(math.exp(v) for v in lps)
+        return {t: math.exp(v) / z for t, v in zip(ids, lps)}
+
+    exact: dict[tuple[int, int, int], float] = {}
+    for t1, p1 in top2(prompt).items():
+        for t2, p2 in top2(prompt + [t1]).items():
+            for t3, p3 in top2(prompt + [t1, t2]).items():
+                exact[(t1, t2, t3)] = p1 * p2 * p3
+    likely = max(exact, key=exact.get)
+    spec = make_engine(tiny, *NGRAM, "scheduler.max_num_seqs=256")
+    spec.speculator.proposer = FixedProposer([likely[1], likely[2]])
+    n = 3000
+    # 4 tokens: the drafts (the second and third) are capped to leave room for the one after
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    counts = dict.fromkeys(exact, 0)
+    for c in generate(spec, [prompt] * n, params):
+        counts[tuple(c.token_ids[:3])] += 1
+    stats = spec.speculator.stats
+    assert stats.accepted_per_position[1] > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    chi2 = sum((counts[o] - n * p) ** 2 / (n * p) for o, p in exact.items())
+    assert min(n * p for p in exact.values()) >= 5, "too few samples per outcome for the chi-square test"
+    p_value = chi_square_sf(chi2, len(exact) - 1)
+    assert p_value > 1e-4, f"chi2 {chi2:.1f} (p {p_value:.2g}): {counts} vs {exact}"
+
+
+# ---------------------------------------------------------------- rollback
+
+
+def test_the_cache_holds_exactly_the_accepted_tokens(tiny):
+    """Step an engine with speculation and one without side by side: whenever both have
+    computed the same number of tokens of a sequence, its K/V at those positions agree layer
+    by layer, and it holds exactly the blocks those tokens need (rejected drafts' given back)."""
+    prompts, params = PROMPTS[:3], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    spec, base = make_engine(tiny, *NGRAM), make_engine(tiny)
+    for engine in (spec, base):
+        for i, p in enumerate(prompts):
+            engine.add_request(i, str(i), p, params)
+    compared, rejected = 0, 0
+    while spec.has_work():
+        spec.step()
+        rejected = spec.speculator.stats.num_draft_tokens - spec.speculator.stats.num_accepted_tokens
+        for key, state in spec.requests.items():
+            seq = state.seq
+            other = base.requests[key].seq
+            while other.num_computed < seq.num_computed:
+                base.step()
+            if other.num_computed != seq.num_computed:
+                continue
+            assert len(seq.block_ids) == -(-seq.num_computed // spec.memory.block_size)
+            for (k1, v1), (k2, v2) in zip(spec.executor.runner.kv_caches, base.executor.runner.kv_caches):
+                for cache1, cache2 in ((k1, k2), (v1, v2)):
+                    a = gather(cache1, seq.block_ids, seq.num_computed)
+                    b = gather(cache2, other.block_ids, other.num_computed)
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            compared += 1
+    assert compared >= 10 and rejected > 0
+
+
+def gather(cache: torch.Tensor, block_ids: list[int], n: int) -> torch.Tensor:
+    """The first `n` positions of a sequence in a paged cache (blocks, block_size, heads, dim)."""
+    bs = cache.shape[1]
+    return torch.cat([cache[b] for b in block_ids])[:n] if n else cache[:0, 0]
+
+
+def test_speculation_with_context_parallelism_is_a_config_error(tiny):
+    from meshserve.configs import load_config
+    from meshserve.configs.errors import ConfigError
+    from meshserve.configs.validate import check_config
+
+    config = load_config(None, [f"model.path={tiny}", "parallel.context=2", "speculative.method=ngram"])
+    with pytest.raises(ConfigError, match="speculative.method=ngram with parallel.context=2"):
+        check_config(config)
+    with pytest.raises(Exception, match="prompt_lookup_min=4 exceeds"):
+        load_config(None, ["speculative.prompt_lookup_min=4", "speculative.prompt_lookup_max=2"])
