@@ -124,7 +124,7 @@ class SpeculativeConfig(Section):
     """`ngram`: prompt lookup, which proposes what followed the latest earlier occurrence of
     the last few tokens in the prompt and output (model-free: for output that copies its
     input, such as code edits, quoting summaries, extraction)."""
-    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    num_speculative_tokens: int = Field(8, ge=1, le=16)
     """The most tokens a sequence proposes per step."""
     prompt_lookup_min: PositiveInt = 2
     """`ngram`: the fewest last tokens that must match."""

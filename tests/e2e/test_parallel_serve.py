@@ -27,7 +27,9 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color."]
 @pytest.mark.parametrize("config,world", [("smollm2-tp3.yaml", 3), ("smollm2-pp2.yaml", 2)])
 def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2_reference, config, world):
     """Greedy text equals transformers', and a second turn that resends the first (prefix
-    caching: its blocks are reused, on every rank) too."""
+    caching: its blocks are reused, on every rank) too, with speculative decoding on (n-gram:
+    the drafts flow through the ranks like any step; the constrained requests of
+    check_structured_outputs do not speculate, beside those that do)."""
     from support.checkpoints import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
@@ -38,7 +40,8 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2_reference
     # NOTE: a common setting that, inherited by every rank, once gave tp=3 on 2 cores 6 threads
     env = os.environ | {"OMP_NUM_THREADS": "2"}
     server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", str(REPO / "configs" / config),
-                               "--set", f"server.zmq={address}", "--set", "model.max_model_len=512"], tmp_path, env=env)
+                               "--set", f"server.zmq={address}", "--set", "model.max_model_len=512",
+                               "--set", "speculative.method=ngram"], tmp_path, env=env)
     # a second turn: the first question, its answer and a follow-up (it reuses the first's KV blocks)
     turn = tok.encode("<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     try:
@@ -66,6 +69,7 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2_reference
             assert g.token_ids == w[:cut]
             assert g.text == tok.decode(w[:cut], skip_special_tokens=True)
         assert second.token_ids == want_follow
+        assert sum(c.usage.accepted_draft_tokens + c.usage.rejected_draft_tokens for c in [*got, second]) > 0
         # the first request computed its prompt and all but its last token: whole blocks of 16 of that
         assert second.usage.cached_tokens == (len(prompts[0]) + cut0 - 1) // 16 * 16 > 0
         assert server.stop() == 0, server.tail()

@@ -322,3 +322,38 @@ def test_speculation_with_context_parallelism_is_a_config_error(tiny):
         check_config(config)
     with pytest.raises(Exception, match="prompt_lookup_min=4 exceeds"):
         load_config(None, ["speculative.prompt_lookup_min=4", "speculative.prompt_lookup_max=2"])
+
+
+# ---------------------------------------------------------------- metrics and usage
+
+
+def test_metrics_and_usage_count_the_drafts(tiny):
+    """vLLM's spec_decode counters, the acceptance gauges and the OpenAI usage shape agree
+    with the speculator's own counts and with each request's usage."""
+    from meshserve.engine.serving.metrics import EngineMetrics
+    from meshserve.engine.serving.openai_shapes import draft_tokens, usage_dict
+
+    spec = make_engine(tiny, *NGRAM)
+    metrics = EngineMetrics()
+    metrics.attach(spec)
+    got = generate(spec, PROMPTS, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    stats = spec.speculator.stats
+
+    def value(name, labels=None):
+        return metrics.registry.get_sample_value(name, labels or {})
+
+    assert value("meshserve_spec_decode_num_drafts_total") == stats.num_drafts > 0
+    assert value("meshserve_spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    assert value("meshserve_spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens > 0
+    for pos, n in enumerate(stats.accepted_per_position):
+        assert (value("meshserve_spec_decode_num_accepted_tokens_per_pos_total", {"position": str(pos)}) or 0) == n
+    assert value("meshserve_spec_decode_acceptance_rate") == pytest.approx(
+        stats.num_accepted_tokens / stats.num_draft_tokens)
+    assert value("meshserve_spec_decode_mean_accepted_length") == pytest.approx(
+        1 + stats.num_accepted_tokens / stats.num_drafts)
+    assert value("meshserve_generation_tokens_total") == sum(len(c.token_ids) for c in got)
+    accepted, rejected = draft_tokens(c.usage for c in got)
+    assert (accepted, accepted + rejected) == (stats.num_accepted_tokens, stats.num_draft_tokens)
+    assert usage_dict(10, 40, 0, (accepted, rejected))["completion_tokens_details"] == {
+        "accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected}
+    assert "completion_tokens_details" not in usage_dict(10, 40, 0)
