@@ -242,12 +242,14 @@ class SeqDelta(Struct, array_like=True, frozen=True):
 
 class TokenMasks(Struct, array_like=True, frozen=True):
     """The tokens each constrained sequence may sample this step (engine/structured.py):
-    one row of `words` int32 per sequence, bit j of word w allowing token 32 * w + j
-    (xgrammar's layout), little-endian."""
+    rows of `words` int32, bit j of word w allowing token 32 * w + j (xgrammar's layout),
+    little-endian; `rows[i]` consecutive rows for seq_ids[i] (1 + its drafts: the mask after
+    each proposed token), or one row each if `rows` is empty."""
 
     seq_ids: list[int]
     words: int
     bits: bytes
+    rows: list[int] = []
 
 
 class StepPlan(Struct, frozen=True, tag="plan"):

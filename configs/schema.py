@@ -120,10 +120,11 @@ class SpeculativeConfig(Section):
     exactly what it would be without (greedy and sampled alike), in fewer steps when the
     proposals are right. Off by default, as in vLLM."""
 
-    method: Literal["none", "ngram"] = "none"
+    method: Literal["none", "ngram", "draft"] = "none"
     """`ngram`: prompt lookup, which proposes what followed the latest earlier occurrence of
     the last few tokens in the prompt and output (model-free: for output that copies its
-    input, such as code edits, quoting summaries, extraction)."""
+    input, such as code edits, quoting summaries, extraction). `draft`: a draft model
+    (`model`) proposes greedily, on the driver, in a KV cache of its own."""
     num_speculative_tokens: int = Field(8, ge=1, le=16)
     """The most tokens a sequence proposes per step."""
     prompt_lookup_min: PositiveInt = 2
@@ -134,12 +135,27 @@ class SpeculativeConfig(Section):
     """Each sequence proposes only as many tokens as its acceptance so far pays for at the
     step's batch size (none once decoding is compute bound and proposals are often wrong);
     false: always num_speculative_tokens where a proposal has them."""
+    model: str | None = None
+    """`draft`: the draft model (an HF directory, a .gguf file or builtin:<name>) with the
+    target's vocabulary, e.g. a smaller checkpoint of the same family, or the target itself
+    with cheaper weights (`quantization`)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """`draft`: the draft's dtype (auto as model.dtype's)."""
+    quantization: Literal["none", "int8", "int4", "w8a8"] = "none"
+    """`draft`: the draft's weight quantization (as model.quantization)."""
+    draft_memory: ByteSize = ByteSize(256 << 20)
+    """`draft`: the draft's KV cache, on the driver (a sequence it cannot hold gets no proposal)."""
 
     @model_validator(mode="after")
-    def _lookup_range(self):
+    def _consistent(self):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative.prompt_lookup_min={self.prompt_lookup_min} exceeds "
                              f"speculative.prompt_lookup_max={self.prompt_lookup_max}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative.method=draft needs speculative.model (the draft model's path)")
+        if self.method != "draft" and self.model:
+            raise ValueError(f"speculative.model is the draft model of speculative.method=draft, not "
+                             f"method={self.method}")
         return self
 
 

@@ -11,7 +11,7 @@ from meshserve.configs.cpu_bind import cpu_bind_problems
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.model_info import ModelInfo, read_model_info
-from meshserve.configs.schema import Config
+from meshserve.configs.schema import CacheConfig, ClusterConfig, Config, ModelConfig, ParallelConfig, SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -172,15 +172,47 @@ def quantization_problems(config: Config, info: ModelInfo, cpu: CpuFeatures | No
             f"(use model.quantization=int8)" for name, size in inputs.items() if size % 32]
 
 
-def speculative_problems(config: Config) -> list[str]:
-    """A rejected draft's K/V is rolled back by the block tables; with context parallelism
-    every rank would also have to roll back its share of the sequence."""
+def draft_config(config: Config, info: ModelInfo) -> Config:
+    """The config the draft model (speculative.method=draft) runs under: one rank on the
+    driver, its own dtype, quantization and KV cache, the target's context length and tokenizer."""
     spec = config.speculative
-    if spec.method != "none" and config.parallel.context > 1:
+    return config.model_copy(update={
+        "model": ModelConfig(path=spec.model, dtype=spec.dtype, quantization=spec.quantization,
+                             tokenizer=config.model.tokenizer, max_model_len=resolved_max_model_len(config, info)),
+        "parallel": ParallelConfig(),
+        "device": config.device.model_copy(update={"compile": False, "cpu_bind": "none"}),
+        "cache": CacheConfig(block_size=config.cache.block_size, memory=spec.draft_memory, prefix_caching=False),
+        "speculative": SpeculativeConfig(),
+        "cluster": ClusterConfig()})
+
+
+def speculative_problems(config: Config, info: ModelInfo) -> list[str]:
+    """A rejected draft's K/V is rolled back by the block tables; with context parallelism
+    every rank would also have to roll back its share of the sequence. A draft model must
+    share the target's vocabulary and context, and run where the target runs."""
+    spec = config.speculative
+    if spec.method == "none":
+        return []
+    if config.parallel.context > 1:
         return [f"speculative.method={spec.method} with parallel.context={config.parallel.context}: context "
                 f"parallelism splits each sequence's tokens over its ranks, and rejected drafts are not rolled "
                 f"back there; use speculative.method=none or parallel.context=1"]
-    return []
+    if spec.method != "draft":
+        return []
+    try:
+        draft = read_model_info(spec.model)
+    except ConfigError as e:
+        return [f"speculative.model: {e}"]
+    problems = []
+    if draft.vocab_size != info.vocab_size:
+        problems.append(f"speculative.model has a vocabulary of {draft.vocab_size} tokens, the model "
+                        f"{info.vocab_size}: a draft must share the model's tokenizer")
+    if not problems:
+        try:
+            check_config(draft_config(config, info), "speculative.model", draft)
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems
 
 
 def check_config(config: Config, source: str = "<builtin default>", info: ModelInfo | None = None) -> ModelInfo:
@@ -232,7 +264,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
         problems += cpu_bind_problems(config.device.cpu_bind, config.ranks_per_node, usable_cores())
     problems += quantization_problems(config, info)
     problems += kv_cache_problems(config)
-    problems += speculative_problems(config)
+    problems += speculative_problems(config, info)
     if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.configs.memory import MemoryPlan, stage_layers
-from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.memory import MemoryPlan, plan_memory, stage_layers
+from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.schema import Config
+from meshserve.configs.validate import draft_config
 from meshserve.engine.calibration import calibration_ids
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import Executor, LocalExecutor
 from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.speculative.draft_model import DraftModelProposer
 from meshserve.engine.speculative.policy import DraftPolicy
 from meshserve.engine.speculative.proposer import NgramProposer
 from meshserve.engine.speculative.speculator import Speculator
@@ -39,15 +41,22 @@ def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: 
     """The driver's engine over `executor` (the ranks, or this process alone)."""
     return Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
                   micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context,
-                  prefix_caching=config.cache.prefix_caching, speculator=build_speculator(config, memory))
+                  prefix_caching=config.cache.prefix_caching, speculator=build_speculator(config, info, memory))
 
 
-def build_speculator(config: Config, memory: MemoryPlan) -> Speculator | None:
-    """The driver's proposer and draft policy (config.speculative), or None."""
+def build_speculator(config: Config, info: ModelInfo, memory: MemoryPlan) -> Speculator | None:
+    """The driver's proposer and draft policy (config.speculative), or None. A draft model
+    is loaded here, on the driver (meshserve.engine.speculative.draft_model)."""
     spec = config.speculative
     if spec.method == "none":
         return None
-    proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft":
+        draft = draft_config(config, info)
+        draft_info = read_model_info(spec.model)
+        runner = build_runner(draft, draft_info, plan_memory(draft, draft_info), Groups.single(), config.device.type)
+        proposer = DraftModelProposer(runner)
+    else:
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     return Speculator(proposer, DraftPolicy(spec.num_speculative_tokens, spec.adaptive), memory.max_model_len)
 
 

@@ -225,22 +225,25 @@ class Engine:
                 return
             masks = None
             if self.guided:  # the constrained sequences this step samples: all known tokens computed
-                masks = self.guided.masks([s.seq_id for s, n in zip(batch.seqs, batch.num_new)
-                                           if s.num_computed + n == s.num_tokens])
+                sampled = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n - len(s.draft) == s.num_tokens]
+                masks = self.guided.masks([s.seq_id for s in sampled], [s.draft for s in sampled])
             plan = self.plans.build(batch, masks)
             self.stats.schedule_seconds += time.perf_counter() - started
             self._in_flight.push(InFlight(batch, self.executor.submit(plan)), (s.seq_id for s in batch.seqs))
 
     def _draft(self, busy: frozenset[int], share: int | None) -> list[Sequence]:
         """Proposals for the running sequences that decode in the coming step (one token to
-        compute, no grammar: a constrained sequence does not speculate); returns them."""
+        compute); a constrained sequence's cut where its grammar stops allowing them. Returns
+        those sequences."""
         if self.speculator is None:
             return []
-        seqs = [s for s in self.scheduler.running
-                if s.seq_id not in busy and s.num_uncomputed == 1 and s.seq_id not in self.guided]
+        seqs = [s for s in self.scheduler.running if s.seq_id not in busy and s.num_uncomputed == 1]
         if share is not None:
             seqs = seqs[:share]
         self.speculator.draft(seqs)
+        if self.guided:
+            for seq in seqs:
+                seq.draft = self.guided.valid_draft(seq.seq_id, seq.draft)
         return seqs
 
     def _finish(self, state: RequestState) -> None:

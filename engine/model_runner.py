@@ -210,17 +210,23 @@ class ModelRunner:
     def _grammar_masks(masks: TokenMasks | None, seq_ids: list[int], drafts: list[list[int]],
                        device: torch.device) -> tuple[torch.Tensor | None, list[int] | None]:
         """The plan's grammar masks as an int32 (k, words) tensor, and the sampled row each
-        one applies to (engine/structured.py; a constrained sequence drafts nothing, so it
-        has one row)."""
+        one applies to (engine/structured.py: a sequence's rows in order, its next token's,
+        then one after each draft)."""
         if masks is None:
             return None, None
         row_of, row = {}, 0
         for s, draft in zip(seq_ids, drafts):
             row_of[s] = row
             row += 1 + len(draft)
-        bits = torch.frombuffer(bytearray(masks.bits), dtype=torch.int32).view(len(masks.seq_ids), masks.words)
-        keep = [k for k, s in enumerate(masks.seq_ids) if s in row_of]
-        return bits[keep].to(device), [row_of[masks.seq_ids[k]] for k in keep]
+        counts = masks.rows or [1] * len(masks.seq_ids)
+        bits = torch.frombuffer(bytearray(masks.bits), dtype=torch.int32).view(sum(counts), masks.words)
+        keep, rows, first = [], [], 0
+        for s, n in zip(masks.seq_ids, counts):
+            if s in row_of:
+                keep += range(first, first + n)
+                rows += range(row_of[s], row_of[s] + n)
+            first += n
+        return bits[keep].to(device), rows
 
     @staticmethod
     def _verify(tokens: list[int], logprobs: list[TokenLogprob | None] | None, drafts: list[list[int]]

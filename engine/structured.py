@@ -184,19 +184,50 @@ class GuidedDecoding:
     def drop(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
 
-    def masks(self, seq_ids: list[int]) -> TokenMasks | None:
+    def masks(self, seq_ids: list[int], drafts: list[list[int]] | None = None) -> TokenMasks | None:
         """The allowed next tokens of those of `seq_ids` that are constrained (None if none
-        is), filled in one batched call."""
-        ids = [s for s in seq_ids if s in self._matchers]
-        if not ids:
+        is): one row for the sequence's next token, then one after each of its `drafts`
+        (proposals valid_draft allowed). The first rows are filled in one batched call; a
+        draft's rows by walking the matcher through it and back."""
+        rows = [(s, d) for s, d in zip(seq_ids, drafts or [[]] * len(seq_ids)) if s in self._matchers]
+        if not rows:
             return None
         import xgrammar as xgr
 
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        bitmask = xgr.allocate_token_bitmask(len(ids), self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask([self._matchers[s] for s in ids], bitmask)
-        return TokenMasks(ids, self.words, bitmask.numpy().tobytes())
+        counts = [1 + len(d) for _, d in rows]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        bitmask = xgr.allocate_token_bitmask(sum(counts), self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask([self._matchers[s] for s, _ in rows], bitmask, starts)
+        for (seq_id, draft), start in zip(rows, starts):
+            matcher = self._matchers[seq_id]
+            for j, token in enumerate(draft):
+                matcher.accept_token(token)
+                matcher.fill_next_token_bitmask(bitmask, start + 1 + j)
+            if draft:
+                matcher.rollback(len(draft))
+        return TokenMasks([s for s, _ in rows], self.words, bitmask.numpy().tobytes(),
+                          counts if any(d for _, d in rows) else [])
+
+    def valid_draft(self, seq_id: int, draft: list[int]) -> list[int]:
+        """The longest start of `draft` that `seq_id`'s constraint allows, short of a token
+        that completes it (no row may follow one); the matcher is left as it was."""
+        matcher = self._matchers.get(seq_id)
+        if matcher is None or not draft:
+            return draft
+        n = 0
+        for token in draft:
+            if not matcher.accept_token(token):
+                break
+            n += 1
+            if matcher.is_terminated():
+                n -= 1
+                matcher.rollback(1)
+                break
+        if n:
+            matcher.rollback(n)
+        return draft[:n]
 
     def accept(self, seq_id: int, token: int) -> bool:
         """Advance `seq_id`'s matcher by `token`; True if the constraint is now complete (or

@@ -40,8 +40,16 @@ FLAGS = (
     Flag(("-pp", "--pipeline-parallel-size"), "parallel.pipeline", int, "pipeline stages"),
     Flag(("--max-num-seqs",), "scheduler.max_num_seqs", int, "most sequences in one step"),
     Flag(("--served-model-name",), "server.model_name", str, "the model's name in the HTTP API"),
+    Flag(("-md", "--model-draft"), "speculative.model", str, "a draft model for speculative decoding "
+                                                             "(llama-server's flag; implies speculative.method=draft)"),
+    Flag(("--draft-max", "--draft"), "speculative.num_speculative_tokens", int, "most tokens a sequence proposes per step"),
 )
-"""Each sets one config key; --host, --port and --api-key are handled below."""
+"""Each sets one config key; --host, --port, --api-key and --speculative-config are handled below."""
+
+SPECULATIVE_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                    "quantization", "dtype", "draft_memory", "adaptive"}
+"""vLLM's --speculative-config keys this server takes (the speculative section's)."""
+SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "none": "none"}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -58,6 +66,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=None, help=f"HTTP port [the port of server.http, default: {port}]")
     g.add_argument("--api-key", default=None,
                    help="key HTTP clients must send [server.api_key; the ranks get it as MESHSERVE_API_KEY]")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative decoding settings, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 5}' [the speculative section's keys]")
 
 
 def _dest(flag: Flag) -> str:
@@ -102,8 +113,35 @@ def overrides(args: argparse.Namespace, model: str | None) -> list[str]:
         values["model.dtype"] = DTYPES[values["model.dtype"]]
     if args.api_key is not None:
         values["server.api_key"] = args.api_key
+    if args.speculative_config is not None:
+        values.update(speculative_values(args.speculative_config))
+    if values.get("speculative.model") and "speculative.method" not in values:
+        values["speculative.method"] = "draft"
     # NOTE: JSON is YAML: a path or name like `on` or `1e3` stays a string
     return [f"{key}={json.dumps(value)}" for key, value in values.items()]
+
+
+def speculative_values(text: str) -> dict[str, object]:
+    """vLLM's --speculative-config JSON as speculative.* config keys (its method names
+    included; a model without a method is a draft model)."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative-config: not JSON ({e.msg} at character {e.pos}): {text}") from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"--speculative-config: a JSON object expected, got {text}")
+    unknown = sorted(set(given) - SPECULATIVE_KEYS)
+    if unknown:
+        raise ConfigError(f"--speculative-config: {', '.join(unknown)} not supported here; "
+                          f"the keys are {', '.join(sorted(SPECULATIVE_KEYS))}")
+    values = {f"speculative.{key}": value for key, value in given.items()}
+    method = given.get("method", "draft" if given.get("model") else None)
+    if method is not None:
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-config: method {method!r}: expected one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        values["speculative.method"] = SPECULATIVE_METHODS[method]
+    return values
 
 
 def without_api_key(argv: list[str]) -> list[str]:

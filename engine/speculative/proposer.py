@@ -13,8 +13,10 @@ from meshserve.engine.sequence import Sequence
 
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` tokens likely to follow `seq.token_ids` (none: no guess)."""
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        """For each of `seqs`, up to its `max_tokens` tokens likely to follow its token_ids
+        (none: no guess; a sequence asked for 0 gets none). One call per step, so a model
+        can propose for the whole batch at once."""
 
     def drop(self, seq_id: int) -> None:
         """`seq_id` finished: forget what was kept for it."""
@@ -49,7 +51,10 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self._index: dict[int, _Index] = {}
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        return [self.propose_one(seq, k) for seq, k in zip(seqs, max_tokens)]
+
+    def propose_one(self, seq: Sequence, max_tokens: int) -> list[int]:
         tokens = seq.token_ids
         length = len(tokens)
         if max_tokens <= 0 or length <= self.min_n:

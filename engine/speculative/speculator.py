@@ -39,11 +39,12 @@ class Speculator:
     def draft(self, seqs: list[Sequence]) -> None:
         """Set `draft` of each of `seqs` (running sequences with one token to compute, in the
         coming step together)."""
-        for seq in seqs:
-            k = min(self.policy.num_tokens(seq, len(seqs)),
-                    seq.params.max_tokens - seq.num_output_tokens - 1,  # the token after the drafts counts too
-                    self.max_model_len - seq.num_tokens)
-            seq.draft = self.proposer.propose(seq, k) if k > 0 else []
+        ks = [max(0, min(self.policy.num_tokens(seq, len(seqs)),
+                         seq.params.max_tokens - seq.num_output_tokens - 1,  # the token after the drafts counts too
+                         self.max_model_len - seq.num_tokens))
+              for seq in seqs]
+        for seq, draft in zip(seqs, self.proposer.propose(seqs, ks) if any(ks) else [[]] * len(seqs)):
+            seq.draft = draft
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         seq.num_draft_tokens += drafted

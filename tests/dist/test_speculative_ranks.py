@@ -1,8 +1,8 @@
-"""Speculative decoding across ranks: the n-gram proposer at tp = 3 and pp = 2 (two
-micro-batches in flight) gives the greedy tokens and top-5 logprobs of one rank without
+"""Speculative decoding across ranks: the n-gram proposer and a draft model at tp = 3 and
+pp = 2 (two micro-batches in flight) give the greedy tokens and top-5 logprobs of one rank without
 speculation, for a batch of prompts (prefills beside drafting decodes) with prefix caching
-on and a second wave that reuses the first's blocks. The drafts are made on the driver and
-travel in the step plan; the verify step flows through the stages like any step."""
+on and a second wave that reuses the first's blocks. The drafts are made on the driver (the draft
+model, the target's int8 build, runs there whole) and travel in the step plan; the verify step flows through the stages like any step."""
 
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ SECOND = [PROMPTS[1] + [7, 7, 7], PROMPTS[3][:40]]
 SECOND_PARAMS = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)] * 2
 
 
-def overrides(path, topology: Topology, speculate: bool) -> list[str]:
-    spec = ["speculative.method=ngram", "speculative.adaptive=false", "speculative.prompt_lookup_min=1"]
+def overrides(path, topology: Topology, spec: list[str] = ()) -> list[str]:
     return [f"model.path={path}", "model.max_model_len=256", "cache.memory=8MiB", "cache.block_size=4",
-            f"parallel.tensor={topology.tp_size}", f"parallel.pipeline={topology.pp_size}", *(spec if speculate else [])]
+            f"parallel.tensor={topology.tp_size}", f"parallel.pipeline={topology.pp_size}", *spec]
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +38,18 @@ def looping(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def reference(looping):
-    engine = make_engine(looping, *overrides(looping, Topology(), False)[1:])
+    engine = make_engine(looping, *overrides(looping, Topology())[1:])
     return as_results(generate(engine, PROMPTS, PARAMS) + generate(engine, SECOND, SECOND_PARAMS))
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("topology", [Topology(tp_size=3), Topology(pp_size=2)], ids=["tp3", "pp2"])
-def test_speculation_across_ranks_gives_the_output_of_one_rank_without_it(looping, reference, topology):
-    (got, stats), *_ = run_ranks(run_engine, topology, overrides(looping, topology, True), PROMPTS, PARAMS,
+def test_speculation_across_ranks_gives_the_output_of_one_rank_without_it(looping, reference, topology, method):
+    spec = ["speculative.adaptive=false", f"speculative.method={method}"]
+    # The draft: the model's own int8 build (it agrees with the float32 model often, not always).
+    spec += (["speculative.prompt_lookup_min=1"] if method == "ngram" else
+             [f"speculative.model={looping}", "speculative.quantization=int8"])
+    (got, stats), *_ = run_ranks(run_engine, topology, overrides(looping, topology, spec), PROMPTS, PARAMS,
                                  (SECOND, SECOND_PARAMS))
     assert_same(got, reference)
     assert stats["accepted_tokens"] >= 40 and stats["draft_tokens"] > stats["accepted_tokens"]

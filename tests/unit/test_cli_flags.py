@@ -47,6 +47,22 @@ def test_long_names_a_model_flag_and_host(capsys, tmp_path):
     assert config["server"]["http"] == "127.0.0.1:9100", "--set has the last word"
 
 
+def test_speculative_decoding_as_vllm_and_llama_server_users_ask_for_it(capsys):
+    config, _ = check(capsys, str(GGUF), "--speculative-config",
+                      '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
+    spec = config["speculative"]
+    assert (spec["method"], spec["num_speculative_tokens"], spec["prompt_lookup_max"]) == ("ngram", 5, 3)
+    config, _ = check(capsys, str(GGUF), "-md", str(GGUF), "--draft-max", "4")
+    spec = config["speculative"]
+    assert (spec["method"], spec["model"], spec["num_speculative_tokens"]) == ("draft", str(GGUF), 4)
+    config, _ = check(capsys, str(GGUF), "--speculative-config", f'{{"model": "{GGUF}", "quantization": "int4"}}')
+    assert (config["speculative"]["method"], config["speculative"]["quantization"]) == ("draft", "int4")
+    assert main(["check", str(GGUF), "--speculative-config", '{"method": "eagle3", "model": "x"}']) != 0
+    assert "method 'eagle3': expected one of ngram, draft_model" in capsys.readouterr().err
+    assert main(["check", str(GGUF), "--speculative-config", '{"num_lookahead_slots": 2}']) != 0
+    assert "num_lookahead_slots not supported here" in capsys.readouterr().err
+
+
 def test_check_shows_the_resolved_context_length(capsys):
     config, out = check(capsys)
     assert isinstance(config["model"]["max_model_len"], int) and config["model"]["max_model_len"] > 0

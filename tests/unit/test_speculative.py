@@ -1,9 +1,10 @@
 """Speculative decoding on one rank (meshserve.engine.speculative): the n-gram proposer
 against a brute-force search, the acceptance rule, the draft policy, and the engine with
 speculation against the same engine without it on a tiny random Llama (float32): greedy
-output token for token (logprobs, stops, preemption, prefix caching, mixed batches), seeded
-sampling token for token, the sampled distribution of the verified tokens against the
-target's own (a chi-square test), and the KV cache after rejections, layer by layer."""
+output token for token (logprobs, stops, preemption, prefix caching, mixed batches; n-gram
+and draft-model proposals), seeded sampling token for token, the sampled distribution of
+the verified tokens against the target's own (a chi-square test), and the KV cache after
+rejections, layer by layer."""
 
 from __future__ import annotations
 
@@ -67,21 +68,21 @@ def test_ngram_proposals_match_a_brute_force_search(tokens, min_n, extra, k, cut
     calls gives what a search of the whole sequence gives."""
     proposer = NgramProposer(min_n, min_n + extra)
     seq = seq_of(tokens[:cut])
-    assert proposer.propose(seq, k) == brute_force(seq.token_ids, min_n, min_n + extra, k)
+    assert proposer.propose_one(seq, k) == brute_force(seq.token_ids, min_n, min_n + extra, k)
     seq.token_ids.extend(tokens[cut:])
-    assert proposer.propose(seq, k) == brute_force(seq.token_ids, min_n, min_n + extra, k)
+    assert proposer.propose_one(seq, k) == brute_force(seq.token_ids, min_n, min_n + extra, k)
 
 
 def test_ngram_prefers_the_longest_then_the_latest_match():
     proposer = NgramProposer(1, 3)
     # "7 8" occurs twice; "5 7 8" once, earlier: the longer match wins
-    assert proposer.propose(seq_of([5, 7, 8, 1, 2, 9, 7, 8, 3, 4, 5, 7, 8]), 2) == [1, 2]
+    assert proposer.propose_one(seq_of([5, 7, 8, 1, 2, 9, 7, 8, 3, 4, 5, 7, 8]), 2) == [1, 2]
     # two equally long matches: the latest
-    assert proposer.propose(seq_of([7, 8, 1, 7, 8, 2, 7, 8], seq_id=1), 1) == [2]
-    assert proposer.propose(seq_of([1, 2, 3], seq_id=2), 4) == []  # no earlier occurrence
-    assert proposer.propose(seq_of([4, 1, 2, 3, 1, 2, 3, 1, 2], seq_id=4), 5) == [3, 1, 2, 3, 1]  # a loop goes on
-    assert proposer.propose(seq_of([6, 9, 9, 9], seq_id=5), 3) == [9, 9, 9]
-    assert proposer.propose(seq_of([1, 2, 1], seq_id=3), 0) == []
+    assert proposer.propose_one(seq_of([7, 8, 1, 7, 8, 2, 7, 8], seq_id=1), 1) == [2]
+    assert proposer.propose_one(seq_of([1, 2, 3], seq_id=2), 4) == []  # no earlier occurrence
+    assert proposer.propose_one(seq_of([4, 1, 2, 3, 1, 2, 3, 1, 2], seq_id=4), 5) == [3, 1, 2, 3, 1]  # a loop goes on
+    assert proposer.propose_one(seq_of([6, 9, 9, 9], seq_id=5), 3) == [9, 9, 9]
+    assert proposer.propose_one(seq_of([1, 2, 1], seq_id=3), 0) == []
     proposer.drop(0)
     assert 0 not in proposer._index
 
@@ -223,8 +224,8 @@ class FixedProposer:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return self.tokens[:max_tokens] if seq.num_output_tokens == 1 else []
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        return [self.tokens[:k] if seq.num_output_tokens == 1 else [] for seq, k in zip(seqs, max_tokens)]
 
     def drop(self, seq_id: int) -> None:
         pass
@@ -310,6 +311,57 @@ def gather(cache: torch.Tensor, block_ids: list[int], n: int) -> torch.Tensor:
     """The first `n` positions of a sequence in a paged cache (blocks, block_size, heads, dim)."""
     bs = cache.shape[1]
     return torch.cat([cache[b] for b in block_ids])[:n] if n else cache[:0, 0]
+
+
+# ---------------------------------------------------------------- the draft model
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """Another random model of the same vocabulary: it agrees with `tiny` only now and then."""
+    return make_checkpoint(tmp_path_factory.mktemp("draft") / "llama", "llama", seed=2, initializer_range=0.09,
+                           num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("which", ["itself", "other", "small-cache"])
+def test_draft_model_greedy_output_is_the_output_without_speculation(tiny, other_draft, which):
+    """The model as its own draft (every greedy proposal kept), another model (some kept), and
+    a draft cache too small for every sequence (those it cannot hold get no proposal, and
+    start over once there is room): the output of the model without speculation."""
+    draft = tiny if which == "itself" else other_draft
+    overrides = ["speculative.method=draft", f"speculative.model={draft}", "speculative.adaptive=false",
+                 "speculative.num_speculative_tokens=4"]
+    if which == "small-cache":
+        overrides.append("speculative.draft_memory=64KiB")
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (30, 24, 28, 20, 16)]
+    want = generate(make_engine(tiny), PROMPTS, params)
+    spec = make_engine(tiny, *overrides)
+    got = generate(spec, PROMPTS, params)
+    assert_same(got, want)
+    stats = spec.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if which == "itself":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+    proposer = spec.speculator.proposer
+    if which == "small-cache":
+        size = proposer.blocks.block_size
+        assert proposer.blocks.num_blocks < sum(-(-(len(p) + q.max_tokens) // size) for p, q in zip(PROMPTS, params))
+    assert not proposer._copies and proposer.blocks.num_free == proposer.blocks.num_blocks  # all dropped
+
+
+def test_a_draft_model_of_another_vocabulary_is_a_config_error(tiny, tmp_path):
+    from meshserve.configs import load_config
+    from meshserve.configs.errors import ConfigError
+    from meshserve.configs.validate import check_config
+
+    small = make_checkpoint(tmp_path / "small-vocab", "llama", vocab_size=1000)
+    config = load_config(None, [f"model.path={tiny}", "speculative.method=draft", f"speculative.model={small}"])
+    with pytest.raises(ConfigError, match="vocabulary of 1000 tokens, the model 49152"):
+        check_config(config)
+    with pytest.raises(Exception, match="needs speculative.model"):
+        load_config(None, ["speculative.method=draft"])
 
 
 def test_speculation_with_context_parallelism_is_a_config_error(tiny):

@@ -86,6 +86,51 @@ def test_masks_only_for_constrained_sequences(compiler):
     assert not guide and guide.masks([1]) is None
 
 
+def test_a_draft_is_cut_where_the_grammar_stops_allowing_it_and_gets_a_mask_per_row(engine, compiler):
+    """valid_draft keeps the proposals the constraint allows (short of the one completing it);
+    masks gives one row for the next token and one after each kept proposal, each the mask
+    of a matcher walked there one token at a time, and leaves the matcher where it was."""
+    import numpy as np
+
+    grammar = compiler.compile(spec_from_message(StructuredOutputs(choice=["Paris is big", "Pisa"])))
+    tokens = engine.tokenizer.encode_text("Paris is big", add_special_tokens=False)
+    guide = GuidedDecoding(compiler.vocab_size)
+    guide.add(3, grammar)
+    bad = engine.tokenizer.encode_text("Rome", add_special_tokens=False)[0]
+    assert guide.valid_draft(3, tokens[:2] + [bad, tokens[2]]) == tokens[:2]
+    eos = engine.tokenizer.eos_token_ids[0]
+    assert guide.valid_draft(3, tokens + [eos]) == tokens  # the completing token is sampled, never drafted
+    masks = guide.masks([7, 3], [[1, 2], tokens])
+    assert masks.seq_ids == [3] and masks.rows == [1 + len(tokens)]
+    got = np.frombuffer(masks.bits, dtype=np.int32).reshape(-1, masks.words)
+    walker = grammar.matcher()
+    for row, token in enumerate(tokens + [eos]):
+        want = np.zeros((1, masks.words), dtype=np.int32)
+        walker.fill_next_token_bitmask(want, 0)
+        assert (got[row] == want[0]).all()
+        assert got[row][token // 32] >> (token % 32) & 1  # the token that follows is allowed
+        walker.accept_token(token)
+    assert guide.valid_draft(3, tokens) == tokens  # the matcher was rolled back: it still starts at the start
+
+
+def test_speculation_under_a_grammar_gives_the_output_without_it(engine, smollm2, compiler):
+    """n-gram drafts for constrained requests (JSON schemas, a regex) are cut to what the
+    grammar allows and verified under a mask per row: greedy and seeded output is the
+    output without speculation, and drafts were kept."""
+    spec = make_engine(smollm2, "model.max_model_len=512", "speculative.method=ngram", "speculative.adaptive=false")
+    names = list(SCHEMAS)
+    prompts = [chat(engine, PROMPTS[n]) for n in names] + [chat(engine, "Name a city and a number.")] * 2
+    grammars = [compiler.compile(json_spec(SCHEMAS[n])) for n in names]
+    grammars += [compiler.compile(spec_from_message(StructuredOutputs(regex=REGEX)))] * 2
+    params = [SamplingParams(max_tokens=120, temperature=0)] * (len(names) + 1)
+    params += [SamplingParams(max_tokens=40, temperature=0.8, seed=3)]
+    want = generate(engine, prompts, params, grammars)
+    got = generate(spec, prompts, params, grammars)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
+    assert spec.speculator.stats.num_accepted_tokens > 20
+
+
 def test_compiled_grammars_are_cached_by_spec(compiler):
     spec = json_spec({"type": "object", "properties": {"x": {"type": "integer"}}})
     first = compiler.compile(spec)
