@@ -73,8 +73,11 @@ class DraftModelProposer:
         del copy.token_ids[shared:]
         copy.token_ids.extend(tokens[shared:])
         self._synced[seq.seq_id] = len(tokens)
-        if copy.num_computed > shared:
-            copy.num_computed = shared
+        # At least the last token is computed again: its logits propose the first draft (a
+        # sequence proposed for but then not scheduled comes back with no new token).
+        keep = min(shared, len(tokens) - 1)
+        if copy.num_computed > keep:
+            copy.num_computed = keep
             self.blocks.trim(copy)
         return copy if self._room(copy) else None
 

@@ -1,17 +1,19 @@
 """How many tokens each sequence drafts in a step, so that speculation never slows serving.
 
 A step's time grows with its tokens: t = a + b * T (a: reading the weights and the fixed
-costs, b: each token's compute). A draft token that is accepted with probability q adds q
-output tokens for b seconds, which raises throughput while q > b * out / t, the share of the
-step's time one more token costs relative to what a token yields now. With B decoding
-sequences that threshold is b * B / (a + b * B): small while steps are bound by reading the
-weights (one stream: draft eagerly), close to 1 once they are bound by compute (a large
-batch: only drafts that are nearly sure). A sequence's j-th draft is kept with probability
-about alpha^j, alpha its acceptance rate so far, so it drafts the largest k with alpha^k
-above the threshold.
+costs, b: each token's compute). Proposing costs c per position (a draft model's forward,
+shared by the B decoding sequences; nearly nothing for n-gram lookup). A draft token that
+is accepted with probability q adds q output tokens for b + c / B seconds, which raises
+throughput (B tokens per a + b * B seconds) while q > (b * B + c) / (a + b * B): small while
+steps are bound by reading the weights and proposals are cheap (one stream, n-gram: draft
+eagerly), close to 1 once steps are bound by compute (a large batch: only drafts that are
+nearly sure) or when proposing costs about a step (a draft model as slow as the model). A
+sequence's j-th draft is kept with probability about alpha^j, alpha its acceptance rate so
+far, so it drafts the largest k with alpha^k above the threshold.
 
-`StepCost` fits a and b to the recent steps' (tokens, seconds); `DraftPolicy` keeps each
-sequence's acceptance (a running count that forgets, from a prior) and picks k.
+`StepCost` fits a and b to the recent steps' (tokens, seconds); `DraftPolicy` keeps the
+proposer's cost per position, each sequence's acceptance (a running count that forgets,
+from a prior) and picks k.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ FORGET = 0.9
 """Per verified step, the weight left on a sequence's older acceptance counts (about the
 last 10 steps count; a sequence that never has a draft accepted falls to an acceptance of
 PRIOR_ACCEPTANCE * PRIOR_WEIGHT / 11 = 0.055)."""
-PROBE_EVERY = 16
-"""A sequence that drafts nothing (its acceptance too low) tries one token this often."""
+PROBE_EVERY, PROBE_MAX = 16, 512
+"""A sequence that drafts nothing (its acceptance too low) tries one token after this many
+steps; each probe that fails doubles the wait (up to PROBE_MAX), one that is kept resets it."""
+COST_WEIGHT = 0.2
+"""Weight of the latest measurement in the proposer's cost per position (a running mean)."""
 
 
 class StepCost:
@@ -60,12 +65,20 @@ class StepCost:
             return None
         return a, b
 
-    def threshold(self, batch: int) -> float:
+    def threshold(self, batch: int, propose_seconds: float = 0.0) -> float:
         """The acceptance probability a draft token needs to pay for itself at `batch`
-        decoding sequences."""
+        decoding sequences, proposing costing `propose_seconds` per position. Before the
+        steps vary in size, one more token is taken to cost PRIOR_TOKEN_SHARE of a step."""
         fit = self.fit()
-        a, b = fit if fit is not None else (1.0, PRIOR_TOKEN_SHARE)
-        return b * batch / (a + b * batch)
+        if fit is None:
+            if not self._steps:
+                return PRIOR_TOKEN_SHARE * batch / (1.0 + PRIOR_TOKEN_SHARE * batch)
+            mean_t = sum(t for t, _ in self._steps) / len(self._steps)
+            mean_s = sum(s for _, s in self._steps) / len(self._steps)
+            a = mean_s / (1.0 + PRIOR_TOKEN_SHARE * mean_t)
+            fit = a, PRIOR_TOKEN_SHARE * a
+        a, b = fit
+        return (b * batch + propose_seconds) / (a + b * batch)
 
 
 class DraftPolicy:
@@ -73,37 +86,61 @@ class DraftPolicy:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
         self.cost = StepCost()
+        self.propose_seconds = 0.0
+        """The proposer's running cost per proposed position."""
         self._accepted: dict[int, float] = {}
         self._tried: dict[int, float] = {}
         self._idle: dict[int, int] = {}
+        self._probe_gap: dict[int, int] = {}
+        self._probing: set[int] = set()
 
     def acceptance(self, seq_id: int) -> float:
         """The chance that a sequence's next draft token is kept, given the one before was."""
         tried = self._tried.get(seq_id, 0.0)
         return (self._accepted.get(seq_id, 0.0) + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
-    def num_tokens(self, seq: Sequence, batch: int) -> int:
-        """How many tokens `seq` drafts in a step of `batch` decoding sequences."""
+    def sizes(self, seqs: list[Sequence], batch: int) -> list[int]:
+        """How many tokens each of `seqs` drafts in a step of `batch` decoding sequences."""
         if not self.adaptive:
-            return self.max_tokens
-        alpha, theta = self.acceptance(seq.seq_id), self.cost.threshold(batch)
+            return [self.max_tokens] * len(seqs)
+        theta = self.cost.threshold(batch, self.propose_seconds)
+        return [self._size(seq.seq_id, theta) for seq in seqs]
+
+    def num_tokens(self, seq: Sequence, batch: int) -> int:
+        return self.sizes([seq], batch)[0]
+
+    def _size(self, seq_id: int, theta: float) -> int:
+        alpha = self.acceptance(seq_id)
         k, p = 0, alpha
         while k < self.max_tokens and p > theta:
             k += 1
             p *= alpha
         if k == 0:
-            idle = self._idle.get(seq.seq_id, 0) + 1
-            self._idle[seq.seq_id] = idle
-            if idle % PROBE_EVERY == 0:
+            idle = self._idle.get(seq_id, 0) + 1
+            self._idle[seq_id] = idle
+            if idle >= self._probe_gap.get(seq_id, PROBE_EVERY):
+                self._idle[seq_id] = 0
+                self._probing.add(seq_id)
                 k = 1
         return k
+
+    def proposed(self, seconds: float, positions: int) -> None:
+        """The proposer took `seconds` for drafts of up to `positions` tokens."""
+        if positions > 0:
+            per = seconds / positions
+            self.propose_seconds += COST_WEIGHT * (per - self.propose_seconds) if self.propose_seconds else per
 
     def verified(self, seq_id: int, drafted: int, accepted: int) -> None:
         """`seq_id` kept `accepted` of the `drafted` tokens it proposed in a step."""
         tried = accepted + (1 if accepted < drafted else 0)  # positions that were decided
         self._accepted[seq_id] = self._accepted.get(seq_id, 0.0) * FORGET + accepted
         self._tried[seq_id] = self._tried.get(seq_id, 0.0) * FORGET + tried
+        if seq_id in self._probing:
+            self._probing.discard(seq_id)
+            gap = self._probe_gap.get(seq_id, PROBE_EVERY)
+            self._probe_gap[seq_id] = PROBE_EVERY if accepted else min(2 * gap, PROBE_MAX)
 
     def drop(self, seq_id: int) -> None:
-        for d in (self._accepted, self._tried, self._idle):
+        for d in (self._accepted, self._tried, self._idle, self._probe_gap):
             d.pop(seq_id, None)
+        self._probing.discard(seq_id)

@@ -3,6 +3,7 @@ step is scheduled, and the counts after it is verified."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from meshserve.engine.sequence import Sequence
@@ -35,15 +36,23 @@ class Speculator:
     def __init__(self, proposer: Proposer, policy: DraftPolicy, max_model_len: int):
         self.proposer, self.policy, self.max_model_len = proposer, policy, max_model_len
         self.stats = SpecStats(accepted_per_position=[0] * policy.max_tokens)
+        self._draft_seconds = 0.0
 
     def draft(self, seqs: list[Sequence]) -> None:
         """Set `draft` of each of `seqs` (running sequences with one token to compute, in the
         coming step together)."""
-        ks = [max(0, min(self.policy.num_tokens(seq, len(seqs)),
-                         seq.params.max_tokens - seq.num_output_tokens - 1,  # the token after the drafts counts too
+        ks = [max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1,  # the token after the drafts counts too
                          self.max_model_len - seq.num_tokens))
-              for seq in seqs]
-        for seq, draft in zip(seqs, self.proposer.propose(seqs, ks) if any(ks) else [[]] * len(seqs)):
+              for seq, k in zip(seqs, self.policy.sizes(seqs, len(seqs)))]
+        if not any(ks):
+            drafts = [[]] * len(seqs)
+        else:
+            start = time.perf_counter()
+            drafts = self.proposer.propose(seqs, ks)
+            seconds = time.perf_counter() - start
+            self._draft_seconds += seconds
+            self.policy.proposed(seconds, max(map(len, drafts)))
+        for seq, draft in zip(seqs, drafts):
             seq.draft = draft
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -57,7 +66,10 @@ class Speculator:
             self.stats.accepted_per_position[j] += 1
 
     def step_done(self, num_tokens: int, seconds: float) -> None:
-        self.policy.cost.add(num_tokens, seconds)
+        """A step of `num_tokens` took `seconds`, the proposing before it included: the model's
+        share goes to the step-cost fit (the proposer's is counted apart)."""
+        self.policy.cost.add(num_tokens, seconds - self._draft_seconds)
+        self._draft_seconds = 0.0
 
     def drop(self, seq_id: int) -> None:
         self.proposer.drop(seq_id)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from meshserve.comm.messages import SamplingParams
 from meshserve.engine.offline import generate
 from meshserve.engine.sequence import Sequence
-from meshserve.engine.speculative.policy import PROBE_EVERY, DraftPolicy, StepCost
+from meshserve.engine.speculative.policy import PRIOR_TOKEN_SHARE, PROBE_EVERY, DraftPolicy, StepCost
 from meshserve.engine.speculative.proposer import MAX_CANDIDATES, NgramProposer
 from meshserve.engine.speculative.verify import accept
 from support.checkpoints import make_checkpoint
@@ -108,10 +108,35 @@ def test_step_cost_fit_and_threshold():
     assert a == pytest.approx(0.010) and b == pytest.approx(0.001)
     assert cost.threshold(1) == pytest.approx(0.001 / 0.011)
     assert cost.threshold(32) == pytest.approx(0.032 / 0.042)
+    assert cost.threshold(1, 0.005) == pytest.approx(0.006 / 0.011)  # proposing costs half a step per position
     same = StepCost()
     for _ in range(10):
         same.add(4, 0.02)
-    assert same.fit() is None  # steps of one size say nothing about the slope
+    assert same.fit() is None  # steps of one size say nothing about the slope: the prior splits them
+    a = 0.02 / (1 + 4 * PRIOR_TOKEN_SHARE)
+    assert same.threshold(1, 0.01) == pytest.approx((PRIOR_TOKEN_SHARE * a + 0.01) / (a + PRIOR_TOKEN_SHARE * a))
+
+
+def test_a_costly_proposer_drafts_only_what_is_nearly_sure_and_failed_probes_back_off():
+    """A draft model that costs 60% of a step per position: a sequence of middling acceptance
+    drafts nothing, one whose drafts are always kept drafts in full; a sequence whose probes
+    keep failing probes ever less often."""
+    policy = DraftPolicy(max_tokens=8)
+    for t in [1, 2, 4, 8, 16, 32] * 3:
+        policy.cost.add(t, 0.050 + 0.0005 * t)
+    policy.proposed(0.060, 2)  # 30 ms per position
+    sure, middling = seq_of([1, 2, 3]), seq_of([4, 5, 6])
+    middling.seq_id = 1
+    for _ in range(30):
+        policy.verified(0, 8, 8)
+        policy.verified(1, 4, 1)  # half its decided positions kept
+    assert policy.sizes([sure, middling], 1) == [8, 0]
+    probes = []
+    for step in range(1, 16 + 32 + 64 + 1):
+        if policy.num_tokens(middling, 1):
+            probes.append(step)
+            policy.verified(1, 1, 0)
+    assert probes[0] <= 16 and [b - a for a, b in zip(probes, probes[1:])] == [32, 64]
 
 
 def test_policy_drafts_eagerly_when_memory_bound_and_not_when_compute_bound():
@@ -323,27 +348,33 @@ def other_draft(tmp_path_factory):
                            num_hidden_layers=1)
 
 
-@pytest.mark.parametrize("which", ["itself", "other", "small-cache"])
+@pytest.mark.parametrize("which", ["itself", "other", "small-cache", "preemption"])
 def test_draft_model_greedy_output_is_the_output_without_speculation(tiny, other_draft, which):
-    """The model as its own draft (every greedy proposal kept), another model (some kept), and
-    a draft cache too small for every sequence (those it cannot hold get no proposal, and
-    start over once there is room): the output of the model without speculation."""
-    draft = tiny if which == "itself" else other_draft
+    """The model as its own draft (every greedy proposal kept), another model (some kept), a
+    draft cache too small for every sequence (those it cannot hold get no proposal, and start
+    over once there is room), and the model's int8 build as its draft with too few blocks for
+    the model (preemption): the output of the model without speculation."""
+    draft = other_draft if which in ("other", "small-cache") else tiny
     overrides = ["speculative.method=draft", f"speculative.model={draft}", "speculative.adaptive=false",
                  "speculative.num_speculative_tokens=4"]
+    target = ["model.max_model_len=128", "cache.num_blocks=32", "cache.block_size=4"] if which == "preemption" else []
     if which == "small-cache":
         overrides.append("speculative.draft_memory=64KiB")
+    if which == "preemption":
+        overrides.append("speculative.quantization=int8")
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (30, 24, 28, 20, 16)]
-    want = generate(make_engine(tiny), PROMPTS, params)
-    spec = make_engine(tiny, *overrides)
+    want = generate(make_engine(tiny, *target), PROMPTS, params)
+    spec = make_engine(tiny, *target, *overrides)
     got = generate(spec, PROMPTS, params)
     assert_same(got, want)
     stats = spec.speculator.stats
     assert stats.num_draft_tokens > 0
     if which == "itself":
         assert stats.num_accepted_tokens == stats.num_draft_tokens
-    else:
+    elif which != "preemption":
         assert stats.num_accepted_tokens < stats.num_draft_tokens
+    if which == "preemption":
+        assert spec.scheduler.num_preemptions > 0 and stats.num_accepted_tokens > 0
     proposer = spec.speculator.proposer
     if which == "small-cache":
         size = proposer.blocks.block_size
