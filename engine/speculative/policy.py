@@ -27,11 +27,14 @@ WINDOW = 64
 PRIOR_TOKEN_SHARE = 0.05
 """b / a before the fit has seen steps of different sizes: one more token costs 5% of a step."""
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 1.0
-"""A sequence's acceptance before it has verified anything, worth this many drafts."""
+"""The acceptance assumed before anything is verified, worth this many drafts. A sequence
+starts from the acceptance of the sequences before it (all verified drafts, forgetting
+slowly: GLOBAL_FORGET per step), worth PRIOR_WEIGHT drafts."""
+GLOBAL_FORGET = 0.99
 FORGET = 0.9
 """Per verified step, the weight left on a sequence's older acceptance counts (about the
 last 10 steps count; a sequence that never has a draft accepted falls to an acceptance of
-PRIOR_ACCEPTANCE * PRIOR_WEIGHT / 11 = 0.055)."""
+prior * PRIOR_WEIGHT / 11, at most 0.09)."""
 PROBE_EVERY, PROBE_MAX = 16, 512
 """A sequence that drafts nothing (its acceptance too low) tries one token after this many
 steps; each probe that fails doubles the wait (up to PROBE_MAX), one that is kept resets it."""
@@ -93,11 +96,13 @@ class DraftPolicy:
         self._idle: dict[int, int] = {}
         self._probe_gap: dict[int, int] = {}
         self._probing: set[int] = set()
+        self._all_accepted = self._all_tried = 0.0
 
     def acceptance(self, seq_id: int) -> float:
         """The chance that a sequence's next draft token is kept, given the one before was."""
+        prior = (self._all_accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self._all_tried + PRIOR_WEIGHT)
         tried = self._tried.get(seq_id, 0.0)
-        return (self._accepted.get(seq_id, 0.0) + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+        return (self._accepted.get(seq_id, 0.0) + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def sizes(self, seqs: list[Sequence], batch: int) -> list[int]:
         """How many tokens each of `seqs` drafts in a step of `batch` decoding sequences."""
@@ -135,6 +140,8 @@ class DraftPolicy:
         tried = accepted + (1 if accepted < drafted else 0)  # positions that were decided
         self._accepted[seq_id] = self._accepted.get(seq_id, 0.0) * FORGET + accepted
         self._tried[seq_id] = self._tried.get(seq_id, 0.0) * FORGET + tried
+        self._all_accepted = self._all_accepted * GLOBAL_FORGET + accepted
+        self._all_tried = self._all_tried * GLOBAL_FORGET + tried
         if seq_id in self._probing:
             self._probing.discard(seq_id)
             gap = self._probe_gap.get(seq_id, PROBE_EVERY)

@@ -148,7 +148,9 @@ def test_policy_drafts_eagerly_when_memory_bound_and_not_when_compute_bound():
     for _ in range(40):
         policy.verified(0, 4, 0)  # everything rejected
     assert policy.acceptance(0) < 0.06
-    assert policy.num_tokens(seq, 1) == 1  # a token costs 1% of a step here
+    assert policy.acceptance(5) < 0.2  # a new sequence starts from what the others had accepted
+    assert policy.acceptance(0) < policy.cost.threshold(1) < 0.01  # below even the 1% a token costs here
+    assert policy.num_tokens(seq, 1) == 0
     policy.cost = StepCost()
     for t in [1, 2, 4, 8, 16, 32] * 3:
         policy.cost.add(t, 0.010 + 0.001 * t)  # a token costs 9% of a one-sequence step
