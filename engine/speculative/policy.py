@@ -37,7 +37,8 @@ last 10 steps count; a sequence that never has a draft accepted falls to an acce
 prior * PRIOR_WEIGHT / 11, at most 0.09)."""
 PROBE_EVERY, PROBE_MAX = 16, 512
 """A sequence that drafts nothing (its acceptance too low) tries one token after this many
-steps; each probe that fails doubles the wait (up to PROBE_MAX), one that is kept resets it."""
+steps; each probe that fails doubles the wait (up to PROBE_MAX), one that is kept resets it;
+PROBE_MAX while proposing costs more than it could ever save."""
 COST_WEIGHT = 0.2
 """Weight of the latest measurement in the proposer's cost per position (a running mean)."""
 
@@ -123,7 +124,9 @@ class DraftPolicy:
         if k == 0:
             idle = self._idle.get(seq_id, 0) + 1
             self._idle[seq_id] = idle
-            if idle >= self._probe_gap.get(seq_id, PROBE_EVERY):
+            # Proposing that costs more than a step per position cannot pay whatever the
+            # acceptance: only the longest wait, to measure the proposer again.
+            if idle >= (PROBE_MAX if theta >= 1.0 else self._probe_gap.get(seq_id, PROBE_EVERY)):
                 self._idle[seq_id] = 0
                 self._probing.add(seq_id)
                 k = 1

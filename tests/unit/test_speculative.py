@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from meshserve.comm.messages import SamplingParams
 from meshserve.engine.offline import generate
 from meshserve.engine.sequence import Sequence
-from meshserve.engine.speculative.policy import PRIOR_TOKEN_SHARE, PROBE_EVERY, DraftPolicy, StepCost
+from meshserve.engine.speculative.policy import PRIOR_TOKEN_SHARE, PROBE_EVERY, PROBE_MAX, DraftPolicy, StepCost
 from meshserve.engine.speculative.proposer import MAX_CANDIDATES, NgramProposer
 from meshserve.engine.speculative.verify import accept
 from support.checkpoints import make_checkpoint
@@ -137,6 +137,9 @@ def test_a_costly_proposer_drafts_only_what_is_nearly_sure_and_failed_probes_bac
             probes.append(step)
             policy.verified(1, 1, 0)
     assert probes[0] <= 16 and [b - a for a, b in zip(probes, probes[1:])] == [32, 64]
+    policy.proposed(0.200, 1)  # now 4x a step per position: even sure drafts cannot pay
+    assert policy.sizes([sure], 1) == [0]
+    assert sum(policy.num_tokens(sure, 1) for _ in range(PROBE_MAX)) == 1
 
 
 def test_policy_drafts_eagerly_when_memory_bound_and_not_when_compute_bound():
