@@ -249,13 +249,16 @@ def section_prefill(args, roof) -> dict:
         args_t = (as_t(starts), as_t(new), as_t(seq_lens))
         tab = as_t(tables)
         scale = s.head_dim ** -0.5
-        meta = attention.build_attention_metadata(new, seq_lens, tables, BLOCK_SIZE, dev)
+        # Every sequence as a prefill chunk (the metadata builders send short chunks after a
+        # prefix down the decode path; this section times and checks the prefill kernels).
+        chunks = [attention.PrefillChunk(starts[i], n, seq_lens[i], tab[i][:-(-seq_lens[i] // BLOCK_SIZE)],
+                                         attention.query_blocks(n, prefix, dev)) for i, n in enumerate(new)]
         k_new = torch.cat([kc[tab[i]].flatten(0, 1)[prefix:seq_lens[i]] for i in range(len(new))])
         v_new = torch.cat([vc[tab[i]].flatten(0, 1)[prefix:seq_lens[i]] for i in range(len(new))])
 
         def torch_backend():
             got = torch.empty_like(q)
-            for c in meta.prefills:
+            for c in chunks:
                 attention.prefill_chunk(q, k_new, v_new, (kc, vc), c, scale, got)
             return got
 

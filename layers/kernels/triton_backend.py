@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from meshserve.layers.attention import starts_and_slots
+from meshserve.layers.attention import DECODE_ROWS, starts_and_slots
 from meshserve.layers.backend import Backend
 from meshserve.layers.kernels.decode_attention import block_n_for, choose_num_splits, paged_decode_attention
 from meshserve.layers.kernels.prefill_attention import prefill_attention
@@ -66,17 +66,21 @@ def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tabl
                           device: torch.device | str) -> TritonMetadata:
     device = torch.device(device)
     starts, slots = starts_and_slots(query_lens, seq_lens, block_tables, block_size)
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    prefills = [i for i, q in enumerate(query_lens) if q > 1]
+    # As the torch backend: each token of a decode, or of a short chunk after a cached prefix
+    # (DECODE_ROWS), is a decode row attending to the cache up to its own position.
+    as_rows = [q == 1 or (q <= DECODE_ROWS and s > q) for q, s in zip(query_lens, seq_lens)]
+    decodes = [(starts[i] + j, seq_lens[i] - q + j + 1, i) for i, q in enumerate(query_lens) if as_rows[i]
+               for j in range(q)]
+    prefills = [i for i in range(len(query_lens)) if not as_rows[i]]
 
     def padded(rows: list[int]) -> tuple[list[int], int]:
         tables = [block_tables[i][: -(-seq_lens[i] // block_size)] for i in rows]
         width = max((len(t) for t in tables), default=0)
         return [b for t in tables for b in t + [0] * (width - len(t))], width
 
-    d_tables, d_width = padded(decodes)
+    d_tables, d_width = padded([i for _, _, i in decodes])
     p_tables, p_width = padded(prefills)
-    parts = [slots, [starts[i] for i in decodes], d_tables, [seq_lens[i] for i in decodes],
+    parts = [slots, [row for row, _, _ in decodes], d_tables, [n for _, n, _ in decodes],
              [starts[i] for i in prefills], [query_lens[i] for i in prefills], [seq_lens[i] for i in prefills],
              p_tables]
     flat = torch.tensor([x for p in parts for x in p], dtype=torch.long)
@@ -85,7 +89,7 @@ def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tabl
     (slot_mapping, d_rows, d_tab, d_lens, p_starts, p_qlens, p_slens, p_tab) = flat.split([len(p) for p in parts])
     return TritonMetadata(slot_mapping, starts,
                           d_rows, d_tab.view(len(decodes), d_width), d_lens,
-                          max((seq_lens[i] for i in decodes), default=0),
+                          max((n for _, n, _ in decodes), default=0),
                           p_starts, p_qlens, p_slens, p_tab.view(len(prefills), p_width),
                           max((query_lens[i] for i in prefills), default=0))
 

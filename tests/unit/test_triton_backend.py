@@ -72,12 +72,13 @@ def test_triton_metadata_matches_the_torch_one():
     meta = build_triton_metadata(query_lens, seq_lens, tables, 4, "cpu")
     assert meta.slot_mapping.tolist() == ref.slot_mapping.tolist()
     assert meta.num_tokens == ref.num_tokens == 14
-    assert meta.decode_rows.tolist() == ref.decode_rows.tolist() == [0, 13]
-    assert meta.decode_lens.tolist() == [10, 1] and meta.decode_max_len == 10
-    assert meta.decode_block_tables.tolist() == [[5, 9, 2], [20, 0, 0]]  # only the blocks in use, padded
-    assert meta.prefill_starts.tolist() == [c.start for c in ref.prefills] == [1, 8]
-    assert meta.prefill_query_lens.tolist() == [7, 5] and meta.prefill_seq_lens.tolist() == [7, 11]
-    assert meta.prefill_block_tables.tolist() == [[0, 11, 0], [3, 7, 13]]
+    # the 5 tokens after a 6-token prefix are decode rows, each seeing the cache up to itself
+    assert meta.decode_rows.tolist() == ref.decode_rows.tolist() == [0, 8, 9, 10, 11, 12, 13]
+    assert meta.decode_lens.tolist() == [10, 7, 8, 9, 10, 11, 1] and meta.decode_max_len == 11
+    assert meta.decode_block_tables.tolist() == [[5, 9, 2]] + [[3, 7, 13]] * 5 + [[20, 0, 0]]  # blocks in use, padded
+    assert meta.prefill_starts.tolist() == [c.start for c in ref.prefills] == [1]
+    assert meta.prefill_query_lens.tolist() == [7] and meta.prefill_seq_lens.tolist() == [7]
+    assert meta.prefill_block_tables.tolist() == [[0, 11]]
     assert meta.max_prefill_query_len == 7
     only_decodes = build_triton_metadata([1, 1], [3, 4], [[1], [2]], 4, "cpu")
     assert only_decodes.prefill_starts.numel() == 0 and only_decodes.prefill_block_tables.shape == (0, 0)
