@@ -10,7 +10,7 @@ compute bound instead, which only 8-bit inputs help (w8a8).
   computes (q - 8) * scale + zero with zero = min + 8 * scale.
 - int8, one symmetric scale per output row (`_weight_int8pack_mm`). The LM head with
   bf16 activations also quantizes its input to int8 per row, as llama.cpp does for every
-  matmul, and multiplies int8 by int8 (`torch._int_mm`, VNNI/AMX int8): measured on
+  matmul, and multiplies int8 by int8 (`torch._int_mm`) where the CPU has VNNI or AMX int8: measured on
   SmolLM2's 49152 x 576 head at one row, 152-314 vs 470-750 us, perplexity 36.25 vs 36.14
   (scripts/quant_quality.py; bf16 unquantized 36.26). float32 runs keep the weight-only
   head: they are the precise ones.
@@ -72,8 +72,17 @@ def row_scales(rows: torch.Tensor) -> torch.Tensor:
     return rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
 
 
+DENSE_INT4_ROWS = 256
+"""From this many rows (a prefill chunk) on a CPU without bf16 dot products, an int4 matmul
+dequantizes its weight to float32 and runs oneDNN's float32 product instead: the int4
+kernel is bound by unpacking there (AVX2 EPYC, SmolLM2's four shapes at 512 rows: 80 vs
+39 ms per layer; at 128-256 rows about even, at 1-32 rows the kernel is 1.2-5x faster)."""
+
+
 class Int4Matmul:
-    """x W^T with W in int4 groups of 32, packed once for the CPU kernel."""
+    """x W^T with W in int4 groups of 32, packed once for the CPU kernel. On a CPU without
+    bf16 dot products it also keeps the codes two to a byte (half a byte per weight more),
+    for the float32 product of many rows (DENSE_INT4_ROWS)."""
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
         codes, scale, low = quantize_int4(weight)
@@ -81,9 +90,22 @@ class Int4Matmul:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         # (in // group, out, 2): the kernel's (scale, zero) with zero = min + 8 * scale
         self.scales_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous().to(act_dtype)
+        self.nibbles = None
+        if not cpu_features().bf16_compute:
+            pairs = codes.to(torch.uint8).view(self.out_features, -1, 2)
+            self.nibbles = pairs[..., 0] | (pairs[..., 1] << 4)
+            self.scale, self.low = scale, low
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.nibbles is not None and rows >= DENSE_INT4_ROWS and not torch.compiler.is_compiling():
+            return torch.nn.functional.linear(x.float(), self.dequantized()).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """W in float32 (out, in), from the nibbles."""
+        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
+        return dequantize_int4(codes, self.scale, self.low)
 
 
 class Int8Matmul:
@@ -196,7 +218,8 @@ def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.d
                      int8_activations: bool = False):
     """The quantized multiply for `weight` ((out, in), loaded at full precision), or None
     for `none`. `int8_activations`: int8 weights multiply int8-quantized inputs unless the
-    activations are float32."""
+    activations are float32 or the CPU has no int8 dot product (without VNNI, `_int_mm` of
+    SmolLM2's head at one row took 15 ms, the weight-only kernel in bf16 3.6 ms: AVX2 EPYC)."""
     if quantization == "none":
         return None
     if weight.device.type != "cpu":
@@ -204,7 +227,7 @@ def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.d
     if quantization == "int4":
         return Int4Matmul(weight, act_dtype)
     if quantization == "int8":
-        dynamic = int8_activations and act_dtype != torch.float32
+        dynamic = int8_activations and act_dtype != torch.float32 and cpu_features().vnni
         return (Int8DynamicMatmul if dynamic else Int8Matmul)(weight, act_dtype)
     if quantization == "w8a8":
         return W8A8Matmul(weight, act_dtype)

@@ -1,6 +1,7 @@
 """Speculative decoding on and off, in the same run: one-stream decode tokens/s and output
-tokens/s at concurrency 32 of `meshserve serve` (the default model, SmolLM2-135M-Instruct,
-over the ZMQ client), with `speculative.method=ngram` against without.
+tokens/s at concurrency 32 of `meshserve serve` (the default model, SmolLM2-135M-Instruct;
+one stream over the ZMQ client, concurrency over HTTP: streamed /v1/completions), with
+`speculative.method=ngram` against without.
 
 Workloads:
 - grounded: output that copies its input (scripts/data/spec_grounded.json): code edits
@@ -15,8 +16,8 @@ heads and 3 KV heads cannot be split 2 ways) runs --rounds rounds; a round start
 server for each arm (off first in even rounds, on first in odd ones), warms it up with one
 request, then runs the one-stream workloads (requests one after another; decode tokens/s =
 tokens after the first over the time from the first token to the last) and, at tp1, every
-workload at --concurrency (all requests at once, --per-slot per slot; output tokens/s over
-the wall time). Prints the medians over rounds and the median of each round's on/off ratio;
+workload at --concurrency over HTTP (all requests at once, --per-slot per slot, each a
+streamed /v1/completions of token ids; output tokens/s over the wall time). Prints the medians over rounds and the median of each round's on/off ratio;
 the acceptance rate and mean accepted length from the usage (accepted and rejected draft
 tokens). Greedy output is identical in both arms (checked: `same greedy output`).
 
@@ -34,6 +35,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 from bench_http import Served
 from bench_structured import wait_ready
@@ -103,6 +106,50 @@ async def run(address: str, prompts: list[list[int]], params: dict, concurrency:
             "outputs": [r["tokens"] for r in results]}
 
 
+async def one_http_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], params: dict) -> dict:
+    """Stream one /v1/completions request: its text, its completion tokens and the accepted and
+    rejected draft tokens of its usage."""
+    body = {"model": model, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
+            **params}
+    text, usage = [], None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            text += [c["text"] for c in chunk.get("choices", [])]
+            usage = chunk.get("usage") or usage
+    details = usage.get("completion_tokens_details") or {}
+    return {"text": "".join(text), "tokens": usage["completion_tokens"],
+            "accepted": details.get("accepted_prediction_tokens", 0),
+            "rejected": details.get("rejected_prediction_tokens", 0)}
+
+
+async def run_http(url: str, prompts: list[list[int]], params: dict, concurrency: int) -> dict:
+    """All of `prompts` over HTTP, at most `concurrency` at once: output tokens/s over the wall time."""
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+
+        async def gated(prompt):
+            async with gate:
+                return await one_http_request(client, url, model, prompt, params)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(gated(p) for p in prompts))
+        wall = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    accepted, rejected = sum(r["accepted"] for r in results), sum(r["rejected"] for r in results)
+    verified = accepted + rejected
+    return {"requests": len(results), "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+            "accepted": accepted, "rejected": rejected,
+            "acceptance_rate": accepted / verified if verified else None,
+            "outputs": [r["text"] for r in results]}
+
+
 def workloads(tokenizer: Tokenizer, vocab: int, args) -> dict[str, tuple[list[list[int]], dict]]:
     grounded = grounded_prompts(tokenizer)[:args.grounded_requests]
     return {"grounded": (grounded, {"max_tokens": args.grounded_tokens, "temperature": 0.0}),
@@ -110,17 +157,19 @@ def workloads(tokenizer: Tokenizer, vocab: int, args) -> dict[str, tuple[list[li
                        {"max_tokens": args.random_tokens, "temperature": 1.0, "ignore_eos": True})}
 
 
-def serve(name: str, overrides: list[str], log: Path) -> tuple[Served, str]:
-    server = Served(name, [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=null",
+def serve(name: str, overrides: list[str], log: Path) -> tuple[Served, str, str]:
+    """A server answering on ZMQ and HTTP: it, its ZMQ address and its base URL."""
+    server = Served(name, [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
                            "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}",
                            *[a for o in overrides for a in ("--set", o)]], log)
-    return server, wait_ready(server)
+    address = wait_ready(server)
+    return server, address, server.wait_http(None)
 
 
 def measure_arm(topology: str, arm: str, loads: dict, args, out_dir: Path, round_: int) -> dict:
     overrides = [*args.overrides, *TOPOLOGIES[topology], *(SPECULATIVE + args.spec_overrides if arm == "on" else [])]
     print(f"# {topology} round {round_}: speculation {arm} ...", file=sys.stderr, flush=True)
-    server, address = serve(f"{topology}-{arm}", overrides, out_dir / f"{topology}_{arm}_{round_}.log")
+    server, address, url = serve(f"{topology}-{arm}", overrides, out_dir / f"{topology}_{arm}_{round_}.log")
     try:
         prompts, params = loads["grounded"]
         asyncio.run(run(address, prompts[:1], params, 1))  # warm-up
@@ -129,7 +178,7 @@ def measure_arm(topology: str, arm: str, loads: dict, args, out_dir: Path, round
             result["concurrent"] = {}
             for name, (p, kw) in loads.items():
                 many = (p * (-(-args.concurrency * args.per_slot // len(p))))[:args.concurrency * args.per_slot]
-                result["concurrent"][name] = run_sync(address, many, kw, args.concurrency)
+                result["concurrent"][name] = asyncio.run(run_http(url, many, kw, args.concurrency))
     finally:
         server.stop()
     return result
@@ -203,7 +252,7 @@ def main() -> int:
     print(f"{'topology':<9}{'run':<13}{'workload':<10}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}"
           f"{'accept':>8}{'same':>6}")
     for topology, summary in report["topologies"].items():
-        for section, label in (("one_stream", "1 stream"), ("concurrent", f"c={args.concurrency}")):
+        for section, label in (("one_stream", "1 stream"), ("concurrent", f"c={args.concurrency} http")):
             for workload, s in summary.get(section, {}).items():
                 acc = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
                 same = {True: "yes", False: "NO", None: "-"}[s["same_greedy_output"]]

@@ -25,6 +25,10 @@ from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+STEADY_CATCH_UP = 2
+"""Tokens a copy computes before its first proposal in a step like any other: the last
+proposal (which the draft never ran) and the target's token after the accepted ones. More
+is a prefill (a new or preempted sequence, or one the draft cache had dropped)."""
 
 
 class DraftModelProposer:
@@ -37,10 +41,13 @@ class DraftModelProposer:
         """Tokens of each sequence the copy shared with it when last caught up."""
         self._dropped: list[int] = []
         self._step = 0
+        self.steady = True
+        """No copy caught up more than STEADY_CATCH_UP tokens in the last `propose`."""
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
         wanted = [(seq, k) for seq, k in zip(seqs, max_tokens) if k > 0]
         copies = [(c, k) for c, k in ((self._catch_up(seq), k) for seq, k in wanted) if c is not None]
+        self.steady = all(c.num_uncomputed <= STEADY_CATCH_UP for c, _ in copies)
         drafts: dict[int, list[int]] = {c.seq_id: [] for c, _ in copies}
         for round_ in range(max((k for _, k in copies), default=0)):
             batch = [c for c, k in copies if k > round_ and len(drafts[c.seq_id]) == round_ and self._room(c)]

@@ -21,6 +21,12 @@ class Proposer(Protocol):
     def drop(self, seq_id: int) -> None:
         """`seq_id` finished: forget what was kept for it."""
 
+    @property
+    def steady(self) -> bool:
+        """Whether the last `propose` cost what proposing costs from step to step (a draft
+        model's first call for a sequence also prefills its prompt: a one-time cost the draft
+        policy must not take for the price of each proposed position)."""
+
 
 MAX_CANDIDATES = 8
 """Earlier occurrences of the last `min_n` tokens examined per proposal, most recent first."""
@@ -87,3 +93,5 @@ class NgramProposer:
 
     def drop(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)
+
+    steady = True

@@ -51,7 +51,8 @@ class Speculator:
             drafts = self.proposer.propose(seqs, ks)
             seconds = time.perf_counter() - start
             self._draft_seconds += seconds
-            self.policy.proposed(seconds, max(map(len, drafts)))
+            if self.proposer.steady:
+                self.policy.proposed(seconds, max(map(len, drafts)))
         for seq, draft in zip(seqs, drafts):
             seq.draft = draft
 

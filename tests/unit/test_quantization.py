@@ -18,8 +18,8 @@ from meshserve.configs import ConfigError, load_config
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
-from meshserve.layers.quant import (Int4Matmul, Int8DynamicMatmul, Int8Matmul, dequantize_int4, quantize_int4,
-                                    quantize_int8)
+from meshserve.layers.quant import (DENSE_INT4_ROWS, Int4Matmul, Int8DynamicMatmul, Int8Matmul, dequantize_int4,
+                                    quantize_int4, quantize_int8)
 from support.reference import hf_logits, hf_model, meshserve_logits
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -67,6 +67,28 @@ def test_int4_and_int8_kernels_match_dense_math_with_dequantized_weights(rows, s
         assert (got16 - want).norm() / want.norm() < 2e-2
 
 
+@pytest.mark.parametrize("flags", [{"avx2", "fma"}, {"avx2", "avx512_bf16"}])
+@pytest.mark.parametrize("rows", [8, DENSE_INT4_ROWS, 300])
+def test_int4_of_many_rows_without_bf16_compute_is_the_float32_product_of_the_same_weights(monkeypatch, flags, rows):
+    """Without bf16 dot products a prefill's int4 matmul multiplies the dequantized weights
+    in float32 (with them, and for few rows, the int4 kernel): the same numbers either way."""
+    from meshserve.configs.cpu_features import CpuFeatures
+    from meshserve.layers import quant
+
+    monkeypatch.setattr(quant, "cpu_features", lambda: CpuFeatures(frozenset(flags)))
+    torch.manual_seed(0)
+    w = torch.randn(320, 576) * 0.05
+    x = torch.randn(rows, 576).bfloat16()
+    matmul = Int4Matmul(w, torch.bfloat16)
+    assert (matmul.nibbles is None) == ("avx512_bf16" in flags)
+    want = x.double() @ dequantize_int4(*quantize_int4(w)).double().t()
+    got = matmul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 320)
+    assert (got.double() - want).norm() / want.norm() < 5e-3
+    if matmul.nibbles is not None:
+        torch.testing.assert_close(matmul.dequantized(), dequantize_int4(*quantize_int4(w)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 32])
 def test_int8_activation_head_matches_the_math_on_quantized_inputs(rows):
     """int8 weights x inputs quantized to int8 per row (symmetric, absmax to 127, in float32):
@@ -87,10 +109,17 @@ def test_int8_activation_head_matches_the_math_on_quantized_inputs(rows):
     assert (got.double() - exact).norm() / exact.norm() < 2e-2
 
 
-@pytest.mark.parametrize("dtype,kind", [("bfloat16", Int8DynamicMatmul), ("float32", Int8Matmul)])
-def test_int4_models_head_takes_int8_inputs_only_in_bf16(tiny_checkpoints, dtype, kind):
+@pytest.mark.parametrize("dtype,flags,kind", [("bfloat16", {"avx2", "avx512_vnni"}, Int8DynamicMatmul),
+                                              ("bfloat16", {"avx2", "fma"}, Int8Matmul),
+                                              ("float32", {"avx2", "avx512_vnni"}, Int8Matmul)])
+def test_int4_models_head_takes_int8_inputs_only_in_bf16_with_vnni(tiny_checkpoints, monkeypatch, dtype, flags, kind):
+    """Without an int8 dot product (AVX2 alone) `_int_mm` is 4x slower than the weight-only
+    head, so the head keeps bf16 inputs there."""
+    from meshserve.configs.cpu_features import CpuFeatures
     from meshserve.engine.build import build_single_rank_engine
+    from meshserve.layers import quant
 
+    monkeypatch.setattr(quant, "cpu_features", lambda: CpuFeatures(frozenset(flags)))
     config = load_config(None, [f"model.path={tiny_checkpoints['llama-untied']}", f"model.dtype={dtype}",
                                 "model.quantization=int4", "model.max_model_len=64"])
     info = check_config(config)

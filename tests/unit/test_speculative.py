@@ -260,6 +260,8 @@ class FixedProposer:
     def drop(self, seq_id: int) -> None:
         pass
 
+    steady = True
+
 
 def chi_square_sf(x: float, dof: int) -> float:
     """P(X >= x) for X ~ chi-square with `dof` degrees of freedom."""
@@ -385,6 +387,32 @@ def test_draft_model_greedy_output_is_the_output_without_speculation(tiny, other
         size = proposer.blocks.block_size
         assert proposer.blocks.num_blocks < sum(-(-(len(p) + q.max_tokens) // size) for p, q in zip(PROMPTS, params))
     assert not proposer._copies and proposer.blocks.num_free == proposer.blocks.num_blocks  # all dropped
+
+
+def test_the_draft_prefill_is_not_taken_for_the_cost_of_proposing(tiny):
+    """A draft model's first proposal for a sequence prefills its prompt; the policy's cost
+    per position comes only from the calls that catch up a token or two."""
+    spec = make_engine(tiny, "speculative.method=draft", f"speculative.model={tiny}",
+                       "speculative.adaptive=false", "speculative.num_speculative_tokens=3")
+    proposer, policy = spec.speculator.proposer, spec.speculator.policy
+    calls, costs = [], []
+    propose, proposed = proposer.propose, policy.proposed
+
+    def watched_propose(seqs, ks):
+        fresh = [seq.seq_id not in proposer._copies for seq in seqs]
+        drafts = propose(seqs, ks)
+        calls.append((any(fresh), proposer.steady))
+        return drafts
+
+    def watched_proposed(seconds, positions):
+        costs.append(positions)
+        proposed(seconds, positions)
+
+    proposer.propose, policy.proposed = watched_propose, watched_proposed
+    generate(spec, PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert calls[0] == (True, False)  # the prompt's prefill
+    assert len(calls) > 2 and all(steady for _, steady in calls[1:])  # every draft kept: 2 tokens to catch up
+    assert len(costs) == len(calls) - 1
 
 
 def test_a_draft_model_of_another_vocabulary_is_a_config_error(tiny, tmp_path):
