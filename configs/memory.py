@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
@@ -22,6 +23,15 @@ def matmul_bytes_per_param(quantization: str, act_bytes: int) -> float:
     if quantization in ("int8", "w8a8"):
         return 1.0
     return float(act_bytes)
+
+
+def int4_dense_copy_bytes_per_param(device_type: str) -> float:
+    """Bytes per weight an int4 matmul holds besides what it reads at decode, on a CPU
+    without bf16 dot products (meshserve.layers.quant.Int4Matmul): its codes two to a byte
+    and a float32 scale and low per group of 32, for the float32 product of prefill chunks."""
+    if device_type != "cpu" or cpu_features().bf16_compute:
+        return 0.0
+    return 0.5 + 2 * 4 / INT4_GROUP
 
 
 def kv_row_bytes(head_dim: int, kv_dtype: str, act_bytes: int) -> int:
@@ -120,8 +130,10 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     quantization = config.model.quantization
     # Quantized: the layers' matmuls shrink, and the head gets a quantized copy beside its weight.
     head_copy = 0.0 if quantization == "none" else embed * matmul_bytes_per_param(head_quantization(quantization), nbytes)
-    weight_bytes = int(most_layers * per_layer / tp * matmul_bytes_per_param(quantization, nbytes)
-                       + (ends + h) * nbytes + head_copy)
+    held_per_param = matmul_bytes_per_param(quantization, nbytes)
+    if quantization == "int4":
+        held_per_param += int4_dense_copy_bytes_per_param(config.device.type)
+    weight_bytes = int(most_layers * per_layer / tp * held_per_param + (ends + h) * nbytes + head_copy)
 
     kv_heads = local_num_kv_heads(info.num_key_value_heads, tp)
     kv_per_token = 2 * most_layers * kv_heads * kv_row_bytes(info.head_dim, config.cache.dtype, nbytes)

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from bench_http import Served
 from bench_structured import wait_ready
@@ -106,37 +107,35 @@ async def run(address: str, prompts: list[list[int]], params: dict, concurrency:
             "outputs": [r["tokens"] for r in results]}
 
 
-async def one_http_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], params: dict) -> dict:
+async def one_http_request(client: openai.AsyncOpenAI, model: str, prompt: list[int], params: dict) -> dict:
     """Stream one /v1/completions request: its text, its completion tokens and the accepted and
     rejected draft tokens of its usage."""
-    body = {"model": model, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
-            **params}
+    extra = {k: v for k, v in params.items() if k not in ("max_tokens", "temperature")}
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=params["max_tokens"],
+                                             temperature=params["temperature"], stream=True,
+                                             stream_options={"include_usage": True}, extra_body=extra)
     text, usage = [], None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            text += [c["text"] for c in chunk.get("choices", [])]
-            usage = chunk.get("usage") or usage
-    details = usage.get("completion_tokens_details") or {}
-    return {"text": "".join(text), "tokens": usage["completion_tokens"],
-            "accepted": details.get("accepted_prediction_tokens", 0),
-            "rejected": details.get("rejected_prediction_tokens", 0)}
+    async for chunk in stream:
+        text += [c.text for c in chunk.choices]
+        usage = chunk.usage or usage
+    details = usage.completion_tokens_details
+    return {"text": "".join(text), "tokens": usage.completion_tokens,
+            "accepted": details.accepted_prediction_tokens or 0 if details else 0,
+            "rejected": details.rejected_prediction_tokens or 0 if details else 0}
 
 
 async def run_http(url: str, prompts: list[list[int]], params: dict, concurrency: int) -> dict:
-    """All of `prompts` over HTTP, at most `concurrency` at once: output tokens/s over the wall time."""
+    """All of `prompts` over HTTP (the openai client), at most `concurrency` at once: output
+    tokens/s over the wall time."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=None,
+                                  http_client=httpx.AsyncClient(timeout=None, limits=limits)) as client:
+        model = (await client.models.list()).data[0].id
 
         async def gated(prompt):
             async with gate:
-                return await one_http_request(client, url, model, prompt, params)
+                return await one_http_request(client, model, prompt, params)
 
         started = time.perf_counter()
         results = await asyncio.gather(*(gated(p) for p in prompts))
@@ -166,13 +165,13 @@ def serve(name: str, overrides: list[str], log: Path) -> tuple[Served, str, str]
     return server, address, server.wait_http(None)
 
 
-def measure_arm(topology: str, arm: str, loads: dict, args, out_dir: Path, round_: int) -> dict:
+def measure_arm(topology: str, arm: str, warm_up: tuple, loads: dict, args, out_dir: Path, round_: int) -> dict:
+    """One arm's server, warmed up with `warm_up` (prompts, params), through `loads`."""
     overrides = [*args.overrides, *TOPOLOGIES[topology], *(SPECULATIVE + args.spec_overrides if arm == "on" else [])]
     print(f"# {topology} round {round_}: speculation {arm} ...", file=sys.stderr, flush=True)
     server, address, url = serve(f"{topology}-{arm}", overrides, out_dir / f"{topology}_{arm}_{round_}.log")
     try:
-        prompts, params = loads["grounded"]
-        asyncio.run(run(address, prompts[:1], params, 1))  # warm-up
+        asyncio.run(run(address, *warm_up, 1))
         result = {"one_stream": {name: run_sync(address, p, kw, 1) for name, (p, kw) in loads.items()}}
         if topology == "tp1" and args.concurrency:
             result["concurrent"] = {}
@@ -218,6 +217,7 @@ def main() -> int:
     p.add_argument("--per-slot", type=int, default=1, help="requests per concurrency slot")
     p.add_argument("--grounded-tokens", type=int, default=256)
     p.add_argument("--grounded-requests", type=int, default=None, help="the first N grounded prompts (default: all 10)")
+    p.add_argument("--workloads", nargs="+", default=["grounded", "random"], choices=["grounded", "random"])
     p.add_argument("--random-tokens", type=int, default=128)
     p.add_argument("--random-requests", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
@@ -235,13 +235,15 @@ def main() -> int:
     config = load_config(None, args.overrides)
     info = read_model_info(config.model.path)
     loads = workloads(Tokenizer(info, config.model.tokenizer), info.vocab_size, args)
+    warm_up = loads["grounded"][0][:1], loads["grounded"][1]
+    loads = {name: loads[name] for name in args.workloads}
     report: dict = {"cpu": cpu_features().describe(), "overrides": args.overrides,
                     "speculative": SPECULATIVE + args.spec_overrides, "args": vars(args), "topologies": {}}
     for topology in args.topology:
         rounds = []
         for r in range(args.rounds):
             order = ARMS if r % 2 == 0 else ARMS[::-1]
-            rounds.append({arm: measure_arm(topology, arm, loads, args, logs, r) for arm in order})
+            rounds.append({arm: measure_arm(topology, arm, warm_up, loads, args, logs, r) for arm in order})
         summary = {"one_stream": {w: summarize(rounds, "one_stream", w, "decode_tok_s") for w in loads}}
         if "concurrent" in rounds[0]["off"]:
             summary["concurrent"] = {w: summarize(rounds, "concurrent", w, "output_tok_s") for w in loads}

@@ -41,13 +41,13 @@ class DraftModelProposer:
         """Tokens of each sequence the copy shared with it when last caught up."""
         self._dropped: list[int] = []
         self._step = 0
-        self.steady = True
-        """No copy caught up more than STEADY_CATCH_UP tokens in the last `propose`."""
+        self.caught_up = 0
+        """Tokens the copies computed in the last `propose` beyond STEADY_CATCH_UP each."""
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
         wanted = [(seq, k) for seq, k in zip(seqs, max_tokens) if k > 0]
         copies = [(c, k) for c, k in ((self._catch_up(seq), k) for seq, k in wanted) if c is not None]
-        self.steady = all(c.num_uncomputed <= STEADY_CATCH_UP for c, _ in copies)
+        self.caught_up = sum(max(0, c.num_uncomputed - STEADY_CATCH_UP) for c, _ in copies)
         drafts: dict[int, list[int]] = {c.seq_id: [] for c, _ in copies}
         for round_ in range(max((k for _, k in copies), default=0)):
             batch = [c for c, k in copies if k > round_ and len(drafts[c.seq_id]) == round_ and self._room(c)]
@@ -57,6 +57,11 @@ class DraftModelProposer:
                 copy.token_ids.append(token)
                 drafts[copy.seq_id].append(token)
         return [drafts.get(seq.seq_id, []) for seq in seqs]
+
+    def backlog(self, seq: Sequence) -> int:
+        copy = self._copies.get(seq.seq_id)
+        computed = 0 if copy is None else min(copy.num_computed, self._shared(copy, seq), seq.num_tokens - 1)
+        return max(0, seq.num_tokens - computed - STEADY_CATCH_UP)
 
     def drop(self, seq_id: int) -> None:
         copy = self._copies.pop(seq_id, None)
@@ -73,10 +78,7 @@ class DraftModelProposer:
         if copy is None:
             copy = Sequence(seq.seq_id, seq.key, [], seq.prompt_len, GREEDY)
             self._copies[seq.seq_id] = copy
-        shared = self._synced.get(seq.seq_id, 0)  # tokens both had then are still the same
-        tokens = seq.token_ids
-        while shared < min(len(copy.token_ids), len(tokens)) and copy.token_ids[shared] == tokens[shared]:
-            shared += 1
+        shared, tokens = self._shared(copy, seq), seq.token_ids
         del copy.token_ids[shared:]
         copy.token_ids.extend(tokens[shared:])
         self._synced[seq.seq_id] = len(tokens)
@@ -87,6 +89,14 @@ class DraftModelProposer:
             copy.num_computed = keep
             self.blocks.trim(copy)
         return copy if self._room(copy) else None
+
+    def _shared(self, copy: Sequence, seq: Sequence) -> int:
+        """How many leading tokens `copy` and `seq` have in common."""
+        shared = self._synced.get(seq.seq_id, 0)  # tokens both had then are still the same
+        tokens = seq.token_ids
+        while shared < min(len(copy.token_ids), len(tokens)) and copy.token_ids[shared] == tokens[shared]:
+            shared += 1
+        return shared
 
     def _room(self, copy: Sequence) -> bool:
         """Grow `copy`'s blocks for its uncomputed tokens; if the cache is full, drop its state

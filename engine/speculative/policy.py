@@ -11,9 +11,16 @@ nearly sure) or when proposing costs about a step (a draft model as slow as the 
 sequence's j-th draft is kept with probability about alpha^j, alpha its acceptance rate so
 far, so it drafts the largest k with alpha^k above the threshold.
 
+A sequence that drafts nothing tries one token now and then (a probe), in case its text
+turned predictable. A probe costs the target one more token, the proposer one position and,
+for a proposer that keeps state (a draft model's KV cache), catching up on every token the
+sequence made since it last proposed for it, or prefilling its whole prompt: as much as a
+few steps. So probes draw on a credit that every step adds PROBE_BUDGET of its time to:
+however unpredictable the traffic, probing costs at most that share of the time.
+
 `StepCost` fits a and b to the recent steps' (tokens, seconds); `DraftPolicy` keeps the
-proposer's cost per position, each sequence's acceptance (a running count that forgets,
-from a prior) and picks k.
+proposer's costs (per position, and per token caught up), each sequence's acceptance (a
+running count that forgets, from a prior), the probe credit, and picks k.
 """
 
 from __future__ import annotations
@@ -28,8 +35,12 @@ PRIOR_TOKEN_SHARE = 0.05
 """b / a before the fit has seen steps of different sizes: one more token costs 5% of a step."""
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 1.0
 """The acceptance assumed before anything is verified, worth this many drafts. A sequence
-starts from the acceptance of the sequences before it (all verified drafts, forgetting
-slowly: GLOBAL_FORGET per step), worth PRIOR_WEIGHT drafts."""
+starts from the acceptance of the sequences before it that sample as it does (greedy, or
+at a temperature: all their verified drafts, forgetting slowly: GLOBAL_FORGET per draft),
+worth PRIOR_WEIGHT drafts. Greedy and sampled sequences keep apart: a proposal is kept with
+the target's probability of it when sampling, always when it is the target's argmax when
+greedy, so greedy acceptance overstates what a sampled sequence can expect, and a draft
+model's first proposal for a sequence costs a prefill of its prompt."""
 GLOBAL_FORGET = 0.99
 FORGET = 0.9
 """Per verified step, the weight left on a sequence's older acceptance counts (about the
@@ -40,7 +51,15 @@ PROBE_EVERY, PROBE_MAX = 16, 512
 steps; each probe that fails doubles the wait (up to PROBE_MAX), one that is kept resets it;
 PROBE_MAX while proposing costs more than it could ever save."""
 COST_WEIGHT = 0.2
-"""Weight of the latest measurement in the proposer's cost per position (a running mean)."""
+"""Weight of the latest measurement in the proposer's costs (running means)."""
+PROBE_BUDGET, CREDIT_STEPS = 0.03, 2048
+"""Probes may cost this share of the time spent in steps; unspent credit is kept up to this
+many (mean) steps' worth."""
+STEP_FORGET = 0.998
+"""Per step, the weight left on the acceptance of earlier sequences: while nothing is
+verified (no sequence found drafting worth it), the prior new sequences start from drifts
+back to PRIOR_ACCEPTANCE over a few thousand steps, so that a server does not stop drafting
+for good after a stretch of unpredictable traffic."""
 
 
 class StepCost:
@@ -69,19 +88,29 @@ class StepCost:
             return None
         return a, b
 
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) from the fit or, before the steps vary in size, from the mean step with one
+        more token taken to cost PRIOR_TOKEN_SHARE of a step; None before any step."""
+        fit = self.fit()
+        if fit is not None or not self._steps:
+            return fit
+        mean_t = sum(t for t, _ in self._steps) / len(self._steps)
+        mean_s = sum(s for _, s in self._steps) / len(self._steps)
+        a = mean_s / (1.0 + PRIOR_TOKEN_SHARE * mean_t)
+        return a, PRIOR_TOKEN_SHARE * a
+
+    def per_token(self) -> float:
+        """The cost of one more token in a step (0 before any step)."""
+        line = self.line()
+        return 0.0 if line is None else line[1]
+
     def threshold(self, batch: int, propose_seconds: float = 0.0) -> float:
         """The acceptance probability a draft token needs to pay for itself at `batch`
-        decoding sequences, proposing costing `propose_seconds` per position. Before the
-        steps vary in size, one more token is taken to cost PRIOR_TOKEN_SHARE of a step."""
-        fit = self.fit()
-        if fit is None:
-            if not self._steps:
-                return PRIOR_TOKEN_SHARE * batch / (1.0 + PRIOR_TOKEN_SHARE * batch)
-            mean_t = sum(t for t, _ in self._steps) / len(self._steps)
-            mean_s = sum(s for _, s in self._steps) / len(self._steps)
-            a = mean_s / (1.0 + PRIOR_TOKEN_SHARE * mean_t)
-            fit = a, PRIOR_TOKEN_SHARE * a
-        a, b = fit
+        decoding sequences, proposing costing `propose_seconds` per position."""
+        line = self.line()
+        if line is None:
+            return PRIOR_TOKEN_SHARE * batch / (1.0 + PRIOR_TOKEN_SHARE * batch)
+        a, b = line
         return (b * batch + propose_seconds) / (a + b * batch)
 
 
@@ -92,30 +121,44 @@ class DraftPolicy:
         self.cost = StepCost()
         self.propose_seconds = 0.0
         """The proposer's running cost per proposed position."""
+        self.catch_up_seconds = 0.0
+        """The proposer's running cost per token caught up on (Proposer.caught_up)."""
+        self.credit = 0.0
+        """Seconds that probes may still spend."""
+        self._mean_step = 0.0
         self._accepted: dict[int, float] = {}
         self._tried: dict[int, float] = {}
         self._idle: dict[int, int] = {}
         self._probe_gap: dict[int, int] = {}
         self._probing: set[int] = set()
-        self._all_accepted = self._all_tried = 0.0
+        self._greedy: dict[int, bool] = {}
+        self._all = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        """Greedy or not: the accepted and decided positions of all sequences' drafts."""
 
-    def acceptance(self, seq_id: int) -> float:
-        """The chance that a sequence's next draft token is kept, given the one before was."""
-        prior = (self._all_accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self._all_tried + PRIOR_WEIGHT)
+    def acceptance(self, seq_id: int, greedy: bool = True) -> float:
+        """The chance that a sequence's next draft token is kept, given the one before was
+        (`greedy`: how a sequence not seen yet samples)."""
+        all_accepted, all_tried = self._all[self._greedy.get(seq_id, greedy)]
+        prior = (all_accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (all_tried + PRIOR_WEIGHT)
         tried = self._tried.get(seq_id, 0.0)
         return (self._accepted.get(seq_id, 0.0) + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
-    def sizes(self, seqs: list[Sequence], batch: int) -> list[int]:
-        """How many tokens each of `seqs` drafts in a step of `batch` decoding sequences."""
+    def sizes(self, seqs: list[Sequence], batch: int, backlogs: list[int] | None = None) -> list[int]:
+        """How many tokens each of `seqs` drafts in a step of `batch` decoding sequences;
+        `backlogs`: the tokens the proposer would catch up on for each (Proposer.backlog)."""
         if not self.adaptive:
             return [self.max_tokens] * len(seqs)
         theta = self.cost.threshold(batch, self.propose_seconds)
-        return [self._size(seq.seq_id, theta) for seq in seqs]
+        probe = self.cost.per_token() + self.propose_seconds
+        for seq in seqs:
+            self._greedy[seq.seq_id] = seq.params.greedy
+        return [self._size(seq.seq_id, theta, probe + self.catch_up_seconds * backlog)
+                for seq, backlog in zip(seqs, backlogs or [0] * len(seqs))]
 
-    def num_tokens(self, seq: Sequence, batch: int) -> int:
-        return self.sizes([seq], batch)[0]
+    def num_tokens(self, seq: Sequence, batch: int, backlog: int = 0) -> int:
+        return self.sizes([seq], batch, [backlog])[0]
 
-    def _size(self, seq_id: int, theta: float) -> int:
+    def _size(self, seq_id: int, theta: float, probe_cost: float) -> int:
         alpha = self.acceptance(seq_id)
         k, p = 0, alpha
         while k < self.max_tokens and p > theta:
@@ -126,31 +169,53 @@ class DraftPolicy:
             self._idle[seq_id] = idle
             # Proposing that costs more than a step per position cannot pay whatever the
             # acceptance: only the longest wait, to measure the proposer again.
-            if idle >= (PROBE_MAX if theta >= 1.0 else self._probe_gap.get(seq_id, PROBE_EVERY)):
+            due = idle >= (PROBE_MAX if theta >= 1.0 else self._probe_gap.get(seq_id, PROBE_EVERY))
+            if due and probe_cost <= self.credit:  # else it waits for the credit
+                self.credit -= probe_cost
                 self._idle[seq_id] = 0
                 self._probing.add(seq_id)
                 k = 1
         return k
 
-    def proposed(self, seconds: float, positions: int) -> None:
-        """The proposer took `seconds` for drafts of up to `positions` tokens."""
-        if positions > 0:
-            per = seconds / positions
-            self.propose_seconds += COST_WEIGHT * (per - self.propose_seconds) if self.propose_seconds else per
+    def proposed(self, seconds: float, positions: int, caught_up: int = 0) -> None:
+        """The proposer took `seconds` for drafts of up to `positions` tokens, having caught
+        up on `caught_up` tokens first (Proposer.caught_up)."""
+        if caught_up > 0:
+            per = max(0.0, seconds - positions * self.propose_seconds) / caught_up
+            self.catch_up_seconds = _running(self.catch_up_seconds, per)
+        elif positions > 0:
+            self.propose_seconds = _running(self.propose_seconds, seconds / positions)
+
+    def step(self, num_tokens: int, seconds: float, proposing: float = 0.0) -> None:
+        """A step of `num_tokens` took the model `seconds`, after `proposing` seconds of
+        drafts: the cost fit, the probe credit and the forgetting of old acceptance."""
+        self.cost.add(num_tokens, seconds)
+        total = seconds + proposing
+        self._mean_step = _running(self._mean_step, total)
+        self.credit = min(self.credit + PROBE_BUDGET * total, PROBE_BUDGET * CREDIT_STEPS * self._mean_step)
+        for counts in self._all.values():
+            counts[0] *= STEP_FORGET
+            counts[1] *= STEP_FORGET
 
     def verified(self, seq_id: int, drafted: int, accepted: int) -> None:
         """`seq_id` kept `accepted` of the `drafted` tokens it proposed in a step."""
         tried = accepted + (1 if accepted < drafted else 0)  # positions that were decided
         self._accepted[seq_id] = self._accepted.get(seq_id, 0.0) * FORGET + accepted
         self._tried[seq_id] = self._tried.get(seq_id, 0.0) * FORGET + tried
-        self._all_accepted = self._all_accepted * GLOBAL_FORGET + accepted
-        self._all_tried = self._all_tried * GLOBAL_FORGET + tried
+        counts = self._all[self._greedy.get(seq_id, True)]
+        counts[0] = counts[0] * GLOBAL_FORGET + accepted
+        counts[1] = counts[1] * GLOBAL_FORGET + tried
         if seq_id in self._probing:
             self._probing.discard(seq_id)
             gap = self._probe_gap.get(seq_id, PROBE_EVERY)
             self._probe_gap[seq_id] = PROBE_EVERY if accepted else min(2 * gap, PROBE_MAX)
 
     def drop(self, seq_id: int) -> None:
-        for d in (self._accepted, self._tried, self._idle, self._probe_gap):
+        for d in (self._accepted, self._tried, self._idle, self._probe_gap, self._greedy):
             d.pop(seq_id, None)
         self._probing.discard(seq_id)
+
+
+def _running(mean: float, value: float) -> float:
+    """A running mean that starts at its first value."""
+    return mean + COST_WEIGHT * (value - mean) if mean else value

@@ -22,10 +22,14 @@ class Proposer(Protocol):
         """`seq_id` finished: forget what was kept for it."""
 
     @property
-    def steady(self) -> bool:
-        """Whether the last `propose` cost what proposing costs from step to step (a draft
-        model's first call for a sequence also prefills its prompt: a one-time cost the draft
-        policy must not take for the price of each proposed position)."""
+    def caught_up(self) -> int:
+        """Tokens the last `propose` computed beyond a step's usual one or two before its
+        first proposals (a draft model's first call for a sequence prefills its prompt, and
+        one that sat out steps catches up on them): a cost the draft policy must not take for
+        the price of each proposed position. 0 for a proposer that keeps no model state."""
+
+    def backlog(self, seq: Sequence) -> int:
+        """The tokens `propose` would catch up on for `seq` now (what `caught_up` would count)."""
 
 
 MAX_CANDIDATES = 8
@@ -94,4 +98,7 @@ class NgramProposer:
     def drop(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)
 
-    steady = True
+    caught_up = 0
+
+    def backlog(self, seq: Sequence) -> int:
+        return 0

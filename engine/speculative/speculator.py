@@ -43,7 +43,7 @@ class Speculator:
         coming step together)."""
         ks = [max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1,  # the token after the drafts counts too
                          self.max_model_len - seq.num_tokens))
-              for seq, k in zip(seqs, self.policy.sizes(seqs, len(seqs)))]
+              for seq, k in zip(seqs, self.policy.sizes(seqs, len(seqs), [self.proposer.backlog(s) for s in seqs]))]
         if not any(ks):
             drafts = [[]] * len(seqs)
         else:
@@ -51,8 +51,7 @@ class Speculator:
             drafts = self.proposer.propose(seqs, ks)
             seconds = time.perf_counter() - start
             self._draft_seconds += seconds
-            if self.proposer.steady:
-                self.policy.proposed(seconds, max(map(len, drafts)))
+            self.policy.proposed(seconds, max(map(len, drafts)), self.proposer.caught_up)
         for seq, draft in zip(seqs, drafts):
             seq.draft = draft
 
@@ -69,7 +68,7 @@ class Speculator:
     def step_done(self, num_tokens: int, seconds: float) -> None:
         """A step of `num_tokens` took `seconds`, the proposing before it included: the model's
         share goes to the step-cost fit (the proposer's is counted apart)."""
-        self.policy.cost.add(num_tokens, seconds - self._draft_seconds)
+        self.policy.step(num_tokens, seconds - self._draft_seconds, self._draft_seconds)
         self._draft_seconds = 0.0
 
     def drop(self, seq_id: int) -> None:

@@ -219,6 +219,33 @@ def test_quantization_config_errors(tiny_checkpoints):
     assert plan_memory(config, info).weight_bytes < plan_memory(dense, info).weight_bytes
 
 
+@pytest.mark.parametrize("bf16_compute", [True, False])
+def test_the_memory_plan_counts_what_an_int4_matmul_holds(tiny_checkpoints, monkeypatch, bf16_compute):
+    """Per weight, the plan's int4 bytes are those an Int4Matmul keeps (its packed codes and
+    scales, and on a CPU without bf16 dot products its codes two to a byte besides), either
+    CPU kind on either machine."""
+    from meshserve.configs import memory
+    from meshserve.configs.cpu_features import CpuFeatures
+    from meshserve.layers import quant
+
+    features = CpuFeatures(frozenset({"avx512_bf16"} if bf16_compute else {"avx2"}), known=True)
+    monkeypatch.setattr(quant, "cpu_features", lambda: features)
+    monkeypatch.setattr(memory, "cpu_features", lambda: features)
+    matmul = quant.Int4Matmul(torch.randn(64, 256), torch.bfloat16)
+    held = sum(t.nbytes for t in (matmul.packed, matmul.scales_zeros, matmul.nibbles, getattr(matmul, "scale", None),
+                                  getattr(matmul, "low", None)) if t is not None)
+    rate = memory.matmul_bytes_per_param("int4", 2) + memory.int4_dense_copy_bytes_per_param("cpu")
+    assert held == pytest.approx(rate * 64 * 256)
+    assert (matmul.nibbles is None) == bf16_compute
+    path = str(tiny_checkpoints["llama"])
+    config = load_config(None, [f"model.path={path}", "model.quantization=int4"])
+    info = check_config(config)
+    plan = plan_memory(config, info).weight_bytes
+    monkeypatch.setattr(memory, "cpu_features", lambda: CpuFeatures(frozenset({"avx512_bf16"}), known=True))
+    assert plan - plan_memory(config, info).weight_bytes == pytest.approx(
+        0 if bf16_compute else info.num_hidden_layers * info.layer_parameters * (0.5 + 0.25), abs=1)
+
+
 @pytest.mark.parametrize("name,quantization", [("smollm2-cpu-int4.yaml", "int4"), ("smollm2-cpu-w8a8.yaml", "w8a8")])
 def test_cpu_quantized_example_configs_validate(name, quantization):
     path = Path(__file__).resolve().parents[2] / "configs" / name

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from meshserve.comm.messages import SamplingParams
 from meshserve.engine.offline import generate
 from meshserve.engine.sequence import Sequence
-from meshserve.engine.speculative.policy import PRIOR_TOKEN_SHARE, PROBE_EVERY, PROBE_MAX, DraftPolicy, StepCost
+from meshserve.engine.speculative.policy import (
+    PRIOR_ACCEPTANCE, PRIOR_TOKEN_SHARE, PROBE_BUDGET, PROBE_EVERY, PROBE_MAX, DraftPolicy, StepCost,
+)
 from meshserve.engine.speculative.proposer import MAX_CANDIDATES, NgramProposer
 from meshserve.engine.speculative.verify import accept
 from support.checkpoints import make_checkpoint
@@ -30,8 +32,8 @@ NGRAM = ["speculative.method=ngram", "speculative.adaptive=false", "speculative.
 catches from one matching token)."""
 
 
-def seq_of(tokens: list[int], seq_id: int = 0, max_tokens: int = 100) -> Sequence:
-    return Sequence(seq_id, seq_id, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens))
+def seq_of(tokens: list[int], seq_id: int = 0, max_tokens: int = 100, temperature: float = 1.0) -> Sequence:
+    return Sequence(seq_id, seq_id, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens, temperature=temperature))
 
 
 # ---------------------------------------------------------------- the n-gram proposer
@@ -123,7 +125,7 @@ def test_a_costly_proposer_drafts_only_what_is_nearly_sure_and_failed_probes_bac
     keep failing probes ever less often."""
     policy = DraftPolicy(max_tokens=8)
     for t in [1, 2, 4, 8, 16, 32] * 3:
-        policy.cost.add(t, 0.050 + 0.0005 * t)
+        policy.step(t, 0.050 + 0.0005 * t)
     policy.proposed(0.060, 2)  # 30 ms per position
     sure, middling = seq_of([1, 2, 3]), seq_of([4, 5, 6])
     middling.seq_id = 1
@@ -136,6 +138,7 @@ def test_a_costly_proposer_drafts_only_what_is_nearly_sure_and_failed_probes_bac
         if policy.num_tokens(middling, 1):
             probes.append(step)
             policy.verified(1, 1, 0)
+        policy.step(1, 0.0505)
     assert probes[0] <= 16 and [b - a for a, b in zip(probes, probes[1:])] == [32, 64]
     policy.proposed(0.200, 1)  # now 4x a step per position: even sure drafts cannot pay
     assert policy.sizes([sure], 1) == [0]
@@ -151,7 +154,8 @@ def test_policy_drafts_eagerly_when_memory_bound_and_not_when_compute_bound():
     for _ in range(40):
         policy.verified(0, 4, 0)  # everything rejected
     assert policy.acceptance(0) < 0.06
-    assert policy.acceptance(5) < 0.2  # a new sequence starts from what the others had accepted
+    assert policy.acceptance(5, greedy=False) < 0.2  # a new sequence starts from what the others had accepted
+    assert policy.acceptance(5, greedy=True) == PRIOR_ACCEPTANCE  # ... that sampled as it does
     assert policy.acceptance(0) < policy.cost.threshold(1) < 0.01  # below even the 1% a token costs here
     assert policy.num_tokens(seq, 1) == 0
     policy.cost = StepCost()
@@ -160,11 +164,100 @@ def test_policy_drafts_eagerly_when_memory_bound_and_not_when_compute_bound():
     assert policy.num_tokens(seq, 1) == 0
     compute_bound = DraftPolicy(max_tokens=8)
     for t in [1, 2, 4, 8, 16, 32] * 3:
-        compute_bound.cost.add(t, 0.001 + 0.002 * t)
+        compute_bound.step(t, 0.001 + 0.002 * t)
     compute_bound.verified(0, 4, 2)
     ks = [compute_bound.num_tokens(seq, 32) for _ in range(2 * PROBE_EVERY)]
     assert ks.count(1) == 2 and set(ks) == {0, 1}  # nothing but a probe now and then
     assert DraftPolicy(max_tokens=3, adaptive=False).num_tokens(seq, 64) == 3
+
+
+def probe_unpredictable_text(catch_up_seconds: float, steps: int = 2000) -> tuple[int, float, float]:
+    """Eight sequences whose drafts are never kept, each new to the draft (a prompt of 128
+    tokens to prefill), proposing at 10 ms a position and `catch_up_seconds` a token caught
+    up, in steps of 54 ms: (probes, their cost, the time)."""
+    policy = DraftPolicy(max_tokens=4)
+    elapsed = 0.0
+    for t in [1, 2, 4, 8] * 2:
+        policy.step(t, 0.050 + 0.0005 * t)
+        elapsed += 0.050 + 0.0005 * t
+    policy.proposed(0.020, 2)
+    policy.proposed(0.020 + catch_up_seconds * 100, 2, caught_up=100)  # a prompt of 100 tokens prefilled
+    assert policy.propose_seconds == pytest.approx(0.010) and policy.catch_up_seconds == pytest.approx(catch_up_seconds)
+    for seq_id in range(8):
+        for _ in range(10):
+            policy.verified(seq_id, 1, 0)
+    seqs = [seq_of([1, 2, 3], seq_id, temperature=0) for seq_id in range(8)]
+    backlog = {s.seq_id: 128 for s in seqs}
+    spent, probes = 0.0, 0
+    for _ in range(steps):
+        ks = policy.sizes(seqs, len(seqs), [backlog[s.seq_id] for s in seqs])
+        for seq, k in zip(seqs, ks):
+            if k:
+                probes += 1
+                spent += policy.cost.per_token() + policy.propose_seconds + policy.catch_up_seconds * backlog[seq.seq_id]
+                backlog[seq.seq_id] = 0
+                policy.verified(seq.seq_id, k, 0)
+            else:
+                backlog[seq.seq_id] += 1
+        policy.step(len(seqs), 0.054)
+        elapsed += 0.054
+    return probes, spent, elapsed
+
+
+def test_probes_that_must_catch_up_a_draft_cost_at_most_their_budget():
+    """Probing a sequence whose draft cache is behind costs its catch-up: on unpredictable
+    text the probes' cost stays within PROBE_BUDGET of the time. A draft that catches up at
+    a fifth of a step per token (an int4 draft on a CPU without bf16 dot products) falls
+    behind faster than the credit grows and never probes; one at 0.1 ms a token probes."""
+    probes, spent, elapsed = probe_unpredictable_text(0.010)
+    assert probes == 0
+    probes, spent, elapsed = probe_unpredictable_text(0.0001)
+    assert probes >= 8 and spent <= PROBE_BUDGET * elapsed
+    cheap = DraftPolicy(max_tokens=4)  # n-gram lookup: a probe costs the target a token
+    for t in [1, 2, 4, 8] * 2:
+        cheap.step(t, 0.050 + 0.0005 * t)
+    for _ in range(40):
+        cheap.verified(0, 4, 0)  # below even the 1% of a step a token costs
+    probes = 0
+    for _ in range(4 * PROBE_EVERY):
+        if cheap.num_tokens(seq_of([1, 2, 3], temperature=0), 1):
+            probes += 1
+            cheap.verified(0, 1, 0)
+        cheap.step(1, 0.05)
+    assert probes == 2  # at 16 and 16 + 32 steps: as often as the back-off allows
+
+
+def test_a_server_that_stopped_drafting_tries_again_after_a_while():
+    """Acceptance learned from earlier sequences fades with the steps, so new sequences
+    start drafting again after a long stretch in which none found it worth it."""
+    policy = DraftPolicy(max_tokens=4)
+    for t in [1, 2, 4, 8] * 2:
+        policy.step(t, 0.050 + 0.0005 * t)
+    policy.proposed(0.040, 2)  # 20 ms per position: drafts need an acceptance of 0.4
+    for _ in range(20):
+        policy.verified(0, 2, 0)
+    assert policy.acceptance(1) < 0.1 and policy.num_tokens(seq_of([1], 1, temperature=0), 1, 50) == 0
+    for _ in range(3000):
+        policy.step(1, 0.05)
+    assert policy.acceptance(1) > 0.5 and policy.num_tokens(seq_of([1], 2, temperature=0), 1, 50) > 0
+    assert policy.acceptance(1) <= PRIOR_ACCEPTANCE
+
+
+def test_sampled_sequences_do_not_start_from_the_acceptance_of_greedy_ones():
+    """After greedy sequences whose drafts were all kept, a sampled sequence starts from the
+    prior (a draft model would prefill its prompt on a guess), a greedy one from their record."""
+    policy = DraftPolicy(max_tokens=4)
+    for t in [1, 2, 4, 8] * 2:
+        policy.step(t, 0.050 + 0.0005 * t)
+    policy.proposed(0.040, 2)  # 20 ms per position: drafts need an acceptance of about 0.4
+    greedy = [seq_of([1, 2], seq_id, temperature=0) for seq_id in range(4)]
+    assert policy.sizes(greedy, 1) == [1] * 4  # the prior, 0.6: one token each
+    for _ in range(20):
+        for seq in greedy:
+            policy.verified(seq.seq_id, 1, 1)
+    assert policy.acceptance(9, greedy=True) > 0.9 and policy.acceptance(9, greedy=False) == PRIOR_ACCEPTANCE
+    assert policy.num_tokens(seq_of([1, 2], 9, temperature=0), 1) == 4
+    assert policy.num_tokens(seq_of([1, 2], 10, temperature=0.8), 1) == 1
 
 
 # ---------------------------------------------------------------- the engine, greedy
@@ -260,7 +353,10 @@ class FixedProposer:
     def drop(self, seq_id: int) -> None:
         pass
 
-    steady = True
+    caught_up = 0
+
+    def backlog(self, seq: Sequence) -> int:
+        return 0
 
 
 def chi_square_sf(x: float, dof: int) -> float:
@@ -391,7 +487,8 @@ def test_draft_model_greedy_output_is_the_output_without_speculation(tiny, other
 
 def test_the_draft_prefill_is_not_taken_for_the_cost_of_proposing(tiny):
     """A draft model's first proposal for a sequence prefills its prompt; the policy's cost
-    per position comes only from the calls that catch up a token or two."""
+    per position comes only from the calls that catch up a token or two, the prefill goes to
+    the cost per token caught up, and the draft's backlog says beforehand what it catches up."""
     spec = make_engine(tiny, "speculative.method=draft", f"speculative.model={tiny}",
                        "speculative.adaptive=false", "speculative.num_speculative_tokens=3")
     proposer, policy = spec.speculator.proposer, spec.speculator.policy
@@ -400,19 +497,22 @@ def test_the_draft_prefill_is_not_taken_for_the_cost_of_proposing(tiny):
 
     def watched_propose(seqs, ks):
         fresh = [seq.seq_id not in proposer._copies for seq in seqs]
+        backlog = sum(proposer.backlog(seq) for seq, k in zip(seqs, ks) if k)
         drafts = propose(seqs, ks)
-        calls.append((any(fresh), proposer.steady))
+        calls.append((any(fresh), proposer.caught_up == 0))
+        assert proposer.caught_up == backlog
         return drafts
 
-    def watched_proposed(seconds, positions):
-        costs.append(positions)
-        proposed(seconds, positions)
+    def watched_proposed(seconds, positions, caught_up=0):
+        costs.append(caught_up)
+        proposed(seconds, positions, caught_up)
 
     proposer.propose, policy.proposed = watched_propose, watched_proposed
     generate(spec, PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert calls[0] == (True, False)  # the prompt's prefill
     assert len(calls) > 2 and all(steady for _, steady in calls[1:])  # every draft kept: 2 tokens to catch up
-    assert len(costs) == len(calls) - 1
+    assert costs[0] == len(PROMPTS[0]) + 1 - 2 and not any(costs[1:])  # the prompt and its first token
+    assert policy.catch_up_seconds > 0 and policy.propose_seconds > 0
 
 
 def test_a_draft_model_of_another_vocabulary_is_a_config_error(tiny, tmp_path):
