@@ -13,11 +13,13 @@ Workloads:
 
 Each --topology (tp1: one rank, tp3: parallel.tensor=3, pp2: parallel.pipeline=2; SmolLM2's 9
 heads and 3 KV heads cannot be split 2 ways) runs --rounds rounds; a round starts a fresh
-server for each arm (off first in even rounds, on first in odd ones), warms it up with one
-request, then runs the one-stream workloads (requests one after another; decode tokens/s =
-tokens after the first over the time from the first token to the last) and, at tp1, every
-workload at --concurrency over HTTP (all requests at once, --per-slot per slot, each a
-streamed /v1/completions of token ids; output tokens/s over the wall time). Prints the medians over rounds and the median of each round's on/off ratio;
+server for each arm, both up at once, warms each up with one request, then runs each
+measurement on one arm and right after on the other (off first in even rounds, on first in
+odd ones): the one-stream workloads (requests one after another; decode tokens/s = tokens
+after the first over the time from the first token to the last) and, at tp1, every workload
+at --concurrency over HTTP (all requests at once, --per-slot per slot, each a streamed
+/v1/completions of token ids through the openai client; output tokens/s over the wall time).
+Prints the medians over rounds and the median of each round's on/off ratio;
 the acceptance rate and mean accepted length from the usage (accepted and rejected draft
 tokens). Greedy output is identical in both arms (checked: `same greedy output`).
 
@@ -165,22 +167,35 @@ def serve(name: str, overrides: list[str], log: Path) -> tuple[Served, str, str]
     return server, address, server.wait_http(None)
 
 
-def measure_arm(topology: str, arm: str, warm_up: tuple, loads: dict, args, out_dir: Path, round_: int) -> dict:
-    """One arm's server, warmed up with `warm_up` (prompts, params), through `loads`."""
-    overrides = [*args.overrides, *TOPOLOGIES[topology], *(SPECULATIVE + args.spec_overrides if arm == "on" else [])]
-    print(f"# {topology} round {round_}: speculation {arm} ...", file=sys.stderr, flush=True)
-    server, address, url = serve(f"{topology}-{arm}", overrides, out_dir / f"{topology}_{arm}_{round_}.log")
+def measure_round(topology: str, warm_up: tuple, loads: dict, args, out_dir: Path, round_: int) -> dict:
+    """Both arms' servers, up at once (an idle server costs the other nothing), each warmed
+    up with `warm_up` (prompts, params); then every measurement of `loads` on one arm and
+    right after on the other (off first in even rounds), so that the machine's drift falls
+    on both arms of each ratio alike. Returns {arm: results}."""
+    order = ARMS if round_ % 2 == 0 else ARMS[::-1]
+    servers: dict[str, tuple[Served, str, str]] = {}
     try:
-        asyncio.run(run(address, *warm_up, 1))
-        result = {"one_stream": {name: run_sync(address, p, kw, 1) for name, (p, kw) in loads.items()}}
+        for arm in order:
+            overrides = [*args.overrides, *TOPOLOGIES[topology],
+                         *(SPECULATIVE + args.spec_overrides if arm == "on" else [])]
+            print(f"# {topology} round {round_}: starting speculation {arm} ...", file=sys.stderr, flush=True)
+            servers[arm] = serve(f"{topology}-{arm}", overrides, out_dir / f"{topology}_{arm}_{round_}.log")
+            asyncio.run(run(servers[arm][1], *warm_up, 1))
+        results = {arm: {"one_stream": {}} for arm in order}
+        for name, (prompts, params) in loads.items():
+            for arm in order:
+                results[arm]["one_stream"][name] = run_sync(servers[arm][1], prompts, params, 1)
         if topology == "tp1" and args.concurrency:
-            result["concurrent"] = {}
-            for name, (p, kw) in loads.items():
-                many = (p * (-(-args.concurrency * args.per_slot // len(p))))[:args.concurrency * args.per_slot]
-                result["concurrent"][name] = asyncio.run(run_http(url, many, kw, args.concurrency))
+            for name, (prompts, params) in loads.items():
+                n = args.concurrency * args.per_slot
+                many = (prompts * -(-n // len(prompts)))[:n]
+                for arm in order:
+                    results[arm].setdefault("concurrent", {})[name] = asyncio.run(
+                        run_http(servers[arm][2], many, params, args.concurrency))
     finally:
-        server.stop()
-    return result
+        for server, _, _ in servers.values():
+            server.stop()
+    return results
 
 
 def run_sync(address: str, prompts, params, concurrency) -> dict:
@@ -242,8 +257,7 @@ def main() -> int:
     for topology in args.topology:
         rounds = []
         for r in range(args.rounds):
-            order = ARMS if r % 2 == 0 else ARMS[::-1]
-            rounds.append({arm: measure_arm(topology, arm, warm_up, loads, args, logs, r) for arm in order})
+            rounds.append(measure_round(topology, warm_up, loads, args, logs, r))
         summary = {"one_stream": {w: summarize(rounds, "one_stream", w, "decode_tok_s") for w in loads}}
         if "concurrent" in rounds[0]["off"]:
             summary["concurrent"] = {w: summarize(rounds, "concurrent", w, "output_tok_s") for w in loads}
