@@ -16,7 +16,9 @@ turned predictable. A probe costs the target one more token, the proposer one po
 for a proposer that keeps state (a draft model's KV cache), catching up on every token the
 sequence made since it last proposed for it, or prefilling its whole prompt: as much as a
 few steps. So probes draw on a credit that every step adds PROBE_BUDGET of its time to:
-however unpredictable the traffic, probing costs at most that share of the time.
+however unpredictable the traffic, probing costs at most that share of the time. Likewise a
+sequence that would draft but must first be caught up (new to a draft model) drafts only if
+its expected saving over its remaining tokens pays the catch-up back.
 
 `StepCost` fits a and b to the recent steps' (tokens, seconds); `DraftPolicy` keeps the
 proposer's costs (per position, and per token caught up), each sequence's acceptance (a
@@ -52,13 +54,13 @@ steps; each probe that fails doubles the wait (up to PROBE_MAX), one that is kep
 PROBE_MAX while proposing costs more than it could ever save."""
 COST_WEIGHT = 0.2
 """Weight of the latest measurement in the proposer's costs (running means)."""
-PROBE_BUDGET, CREDIT_STEPS = 0.03, 2048
+PROBE_BUDGET, CREDIT_STEPS = 0.01, 2048
 """Probes may cost this share of the time spent in steps; unspent credit is kept up to this
 many (mean) steps' worth."""
-STEP_FORGET = 0.998
+STEP_FORGET = 0.9995
 """Per step, the weight left on the acceptance of earlier sequences: while nothing is
 verified (no sequence found drafting worth it), the prior new sequences start from drifts
-back to PRIOR_ACCEPTANCE over a few thousand steps, so that a server does not stop drafting
+back to PRIOR_ACCEPTANCE over several thousand steps, so that a server does not stop drafting
 for good after a stretch of unpredictable traffic."""
 
 
@@ -150,28 +152,40 @@ class DraftPolicy:
             return [self.max_tokens] * len(seqs)
         theta = self.cost.threshold(batch, self.propose_seconds)
         probe = self.cost.per_token() + self.propose_seconds
+        line = self.cost.line()
+        token_seconds = 0.0 if line is None else (line[0] + line[1] * batch) / batch
         for seq in seqs:
             self._greedy[seq.seq_id] = seq.params.greedy
-        return [self._size(seq.seq_id, theta, probe + self.catch_up_seconds * backlog)
+        return [self._size(seq, theta, token_seconds, self.catch_up_seconds * backlog, probe)
                 for seq, backlog in zip(seqs, backlogs or [0] * len(seqs))]
 
     def num_tokens(self, seq: Sequence, batch: int, backlog: int = 0) -> int:
         return self.sizes([seq], batch, [backlog])[0]
 
-    def _size(self, seq_id: int, theta: float, probe_cost: float) -> int:
+    def _size(self, seq: Sequence, theta: float, token_seconds: float, catch_up: float, probe: float) -> int:
+        """k for `seq`: the drafts that pay at threshold `theta`, where a token of the step
+        takes `token_seconds` and the proposer must first catch up for `catch_up` seconds
+        (then drafting must pay that back over the sequence's remaining tokens, else the
+        sequence waits for a probe, which costs `probe` seconds besides)."""
+        seq_id = seq.seq_id
         alpha = self.acceptance(seq_id)
-        k, p = 0, alpha
+        k, p, surplus = 0, alpha, 0.0
         while k < self.max_tokens and p > theta:
             k += 1
+            surplus += p - theta  # tokens gained, less what proposing and verifying them costs
             p *= alpha
+        if k and catch_up > 0:
+            steps = (seq.params.max_tokens - seq.num_output_tokens) / (1.0 + surplus + k * theta)
+            if surplus * token_seconds * steps < catch_up:
+                k = 0
         if k == 0:
             idle = self._idle.get(seq_id, 0) + 1
             self._idle[seq_id] = idle
             # Proposing that costs more than a step per position cannot pay whatever the
             # acceptance: only the longest wait, to measure the proposer again.
             due = idle >= (PROBE_MAX if theta >= 1.0 else self._probe_gap.get(seq_id, PROBE_EVERY))
-            if due and probe_cost <= self.credit:  # else it waits for the credit
-                self.credit -= probe_cost
+            if due and probe + catch_up <= self.credit:  # else it waits for the credit
+                self.credit -= probe + catch_up
                 self._idle[seq_id] = 0
                 self._probing.add(seq_id)
                 k = 1

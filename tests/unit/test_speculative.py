@@ -133,6 +133,7 @@ def test_a_costly_proposer_drafts_only_what_is_nearly_sure_and_failed_probes_bac
         policy.verified(0, 8, 8)
         policy.verified(1, 4, 1)  # half its decided positions kept
     assert policy.sizes([sure, middling], 1) == [8, 0]
+    policy.credit = 1.0  # enough for the probes below (each costs about 60% of a step)
     probes = []
     for step in range(1, 16 + 32 + 64 + 1):
         if policy.num_tokens(middling, 1):
@@ -166,7 +167,10 @@ def test_policy_drafts_eagerly_when_memory_bound_and_not_when_compute_bound():
     for t in [1, 2, 4, 8, 16, 32] * 3:
         compute_bound.step(t, 0.001 + 0.002 * t)
     compute_bound.verified(0, 4, 2)
-    ks = [compute_bound.num_tokens(seq, 32) for _ in range(2 * PROBE_EVERY)]
+    ks = []
+    for _ in range(2 * PROBE_EVERY):
+        ks.append(compute_bound.num_tokens(seq, 32))
+        compute_bound.step(32, 0.001 + 0.002 * 32)
     assert ks.count(1) == 2 and set(ks) == {0, 1}  # nothing but a probe now and then
     assert DraftPolicy(max_tokens=3, adaptive=False).num_tokens(seq, 64) == 3
 
@@ -237,7 +241,7 @@ def test_a_server_that_stopped_drafting_tries_again_after_a_while():
     for _ in range(20):
         policy.verified(0, 2, 0)
     assert policy.acceptance(1) < 0.1 and policy.num_tokens(seq_of([1], 1, temperature=0), 1, 50) == 0
-    for _ in range(3000):
+    for _ in range(10000):
         policy.step(1, 0.05)
     assert policy.acceptance(1) > 0.5 and policy.num_tokens(seq_of([1], 2, temperature=0), 1, 50) > 0
     assert policy.acceptance(1) <= PRIOR_ACCEPTANCE
@@ -258,6 +262,26 @@ def test_sampled_sequences_do_not_start_from_the_acceptance_of_greedy_ones():
     assert policy.acceptance(9, greedy=True) > 0.9 and policy.acceptance(9, greedy=False) == PRIOR_ACCEPTANCE
     assert policy.num_tokens(seq_of([1, 2], 9, temperature=0), 1) == 4
     assert policy.num_tokens(seq_of([1, 2], 10, temperature=0.8), 1) == 1
+
+
+def test_a_sequence_new_to_a_draft_model_drafts_only_if_that_pays_for_its_prefill():
+    """Catching a draft up on a 128-token prompt costs 1.28 s here: a sampled sequence on the
+    prior's guess (0.6) with 50 tokens to go would not save that much and waits (no credit
+    for a probe yet); with 5,000 tokens to go it would; a greedy sequence after greedy ones
+    that kept nearly every draft drafts in full. Once caught up, nothing is owed."""
+    policy = DraftPolicy(max_tokens=4)
+    for t in [1, 2, 4, 8] * 2:
+        policy.step(t, 0.050 + 0.0005 * t)
+    policy.proposed(0.010, 1)
+    policy.proposed(0.010 + 0.010 * 100, 1, caught_up=100)  # 10 ms a token caught up
+    short, long_ = seq_of([1, 2], 1, max_tokens=50), seq_of([1, 2], 2, max_tokens=5000)
+    assert policy.sizes([short, long_], 1, [128, 128]) == [0, 3]  # 0.6^3 is above the threshold, 0.21
+    assert policy.num_tokens(short, 1, 0) == 3
+    greedy = [seq_of([1, 2], seq_id, temperature=0) for seq_id in range(3, 6)]
+    for _ in range(20):
+        for seq in greedy:
+            policy.verified(seq.seq_id, 1, 1)
+    assert policy.num_tokens(seq_of([1, 2], 9, max_tokens=100, temperature=0), 1, 128) == 4
 
 
 # ---------------------------------------------------------------- the engine, greedy
