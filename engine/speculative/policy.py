@@ -148,7 +148,7 @@ class DraftPolicy:
     def sizes(self, seqs: list[Sequence], batch: int, backlogs: list[int] | None = None) -> list[int]:
         """How many tokens each of `seqs` drafts in a step of `batch` decoding sequences;
         `backlogs`: the tokens the proposer would catch up on for each (Proposer.backlog)."""
-        if not self.adaptive:
+        if not self.adaptive or not seqs:
             return [self.max_tokens] * len(seqs)
         theta = self.cost.threshold(batch, self.propose_seconds)
         probe = self.cost.per_token() + self.propose_seconds

@@ -275,6 +275,7 @@ def test_a_sequence_new_to_a_draft_model_drafts_only_if_that_pays_for_its_prefil
     policy.proposed(0.010, 1)
     policy.proposed(0.010 + 0.010 * 100, 1, caught_up=100)  # 10 ms a token caught up
     short, long_ = seq_of([1, 2], 1, max_tokens=50), seq_of([1, 2], 2, max_tokens=5000)
+    assert policy.sizes([], 0, []) == []  # a step with no sequence decoding
     assert policy.sizes([short, long_], 1, [128, 128]) == [0, 3]  # 0.6^3 is above the threshold, 0.21
     assert policy.num_tokens(short, 1, 0) == 3
     greedy = [seq_of([1, 2], seq_id, temperature=0) for seq_id in range(3, 6)]
