@@ -109,11 +109,15 @@ class StepCost:
     def threshold(self, batch: int, propose_seconds: float = 0.0) -> float:
         """The acceptance probability a draft token needs to pay for itself at `batch`
         decoding sequences, proposing costing `propose_seconds` per position."""
-        line = self.line()
-        if line is None:
-            return PRIOR_TOKEN_SHARE * batch / (1.0 + PRIOR_TOKEN_SHARE * batch)
-        a, b = line
-        return (b * batch + propose_seconds) / (a + b * batch)
+        return threshold(self.line(), batch, propose_seconds)
+
+
+def threshold(line: tuple[float, float] | None, batch: int, propose_seconds: float) -> float:
+    """StepCost.threshold for the step-time line (a, b) already worked out."""
+    if line is None:
+        return PRIOR_TOKEN_SHARE * batch / (1.0 + PRIOR_TOKEN_SHARE * batch)
+    a, b = line
+    return (b * batch + propose_seconds) / (a + b * batch)
 
 
 class DraftPolicy:
@@ -150,9 +154,9 @@ class DraftPolicy:
         `backlogs`: the tokens the proposer would catch up on for each (Proposer.backlog)."""
         if not self.adaptive or not seqs:
             return [self.max_tokens] * len(seqs)
-        theta = self.cost.threshold(batch, self.propose_seconds)
-        probe = self.cost.per_token() + self.propose_seconds
-        line = self.cost.line()
+        line = self.cost.line()  # one fit per step: the threshold, a probe's cost and a token's time
+        theta = threshold(line, batch, self.propose_seconds)
+        probe = (0.0 if line is None else line[1]) + self.propose_seconds
         token_seconds = 0.0 if line is None else (line[0] + line[1] * batch) / batch
         for seq in seqs:
             self._greedy[seq.seq_id] = seq.params.greedy
