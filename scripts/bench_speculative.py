@@ -13,7 +13,9 @@ Workloads:
 
 Each --topology (tp1: one rank, tp3: parallel.tensor=3, pp2: parallel.pipeline=2; SmolLM2's 9
 heads and 3 KV heads cannot be split 2 ways) runs --rounds rounds; a round starts a fresh
-server for each arm, both up at once, warms each up with one request, then runs each
+server for each arm, both up at once, warms each up with one request of each workload (a
+server that has served some traffic: the speculative arm has learned what drafting costs
+and earns on such requests, as it would in service), then runs each
 measurement on one arm and right after on the other (off first in even rounds, on first in
 odd ones): the one-stream workloads (requests one after another; decode tokens/s = tokens
 after the first over the time from the first token to the last) and, at tp1, every workload
@@ -167,9 +169,9 @@ def serve(name: str, overrides: list[str], log: Path) -> tuple[Served, str, str]
     return server, address, server.wait_http(None)
 
 
-def measure_round(topology: str, warm_up: tuple, loads: dict, args, out_dir: Path, round_: int) -> dict:
+def measure_round(topology: str, warm_up: list[tuple], loads: dict, args, out_dir: Path, round_: int) -> dict:
     """Both arms' servers, up at once (an idle server costs the other nothing), each warmed
-    up with `warm_up` (prompts, params); then every measurement of `loads` on one arm and
+    up with every (prompts, params) of `warm_up`; then every measurement of `loads` on one arm and
     right after on the other (off first in even rounds), so that the machine's drift falls
     on both arms of each ratio alike. Returns {arm: results}."""
     order = ARMS if round_ % 2 == 0 else ARMS[::-1]
@@ -180,7 +182,8 @@ def measure_round(topology: str, warm_up: tuple, loads: dict, args, out_dir: Pat
                          *(SPECULATIVE + args.spec_overrides if arm == "on" else [])]
             print(f"# {topology} round {round_}: starting speculation {arm} ...", file=sys.stderr, flush=True)
             servers[arm] = serve(f"{topology}-{arm}", overrides, out_dir / f"{topology}_{arm}_{round_}.log")
-            asyncio.run(run(servers[arm][1], *warm_up, 1))
+            for prompts, params in warm_up:
+                asyncio.run(run(servers[arm][1], prompts, params, 1))
         results = {arm: {"one_stream": {}} for arm in order}
         for name, (prompts, params) in loads.items():
             for arm in order:
@@ -250,8 +253,9 @@ def main() -> int:
     config = load_config(None, args.overrides)
     info = read_model_info(config.model.path)
     loads = workloads(Tokenizer(info, config.model.tokenizer), info.vocab_size, args)
-    warm_up = loads["grounded"][0][:1], loads["grounded"][1]
     loads = {name: loads[name] for name in args.workloads}
+    warm_up = [(prompts[:1] if name == "grounded" else random_prompts(1, args.input_len, info.vocab_size, seed=1),
+                params) for name, (prompts, params) in loads.items()]  # random: not a prompt measured
     report: dict = {"cpu": cpu_features().describe(), "overrides": args.overrides,
                     "speculative": SPECULATIVE + args.spec_overrides, "args": vars(args), "topologies": {}}
     for topology in args.topology:

@@ -21,8 +21,10 @@ sequence that would draft but must first be caught up (new to a draft model) dra
 its expected saving over its remaining tokens pays the catch-up back.
 
 `StepCost` fits a and b to the recent steps' (tokens, seconds); `DraftPolicy` keeps the
-proposer's costs (per position, and per token caught up), each sequence's acceptance (a
-running count that forgets, from a prior), the probe credit, and picks k.
+proposer's costs (per position, and per token caught up, by the size of the catch-up: a
+draft's forward over a few rows and over hundreds can take different kernels, several
+times apart per token), each sequence's acceptance (a running count that forgets, from a
+prior), the probe credit, and picks k.
 """
 
 from __future__ import annotations
@@ -127,8 +129,9 @@ class DraftPolicy:
         self.cost = StepCost()
         self.propose_seconds = 0.0
         """The proposer's running cost per proposed position."""
-        self.catch_up_seconds = 0.0
-        """The proposer's running cost per token caught up on (Proposer.caught_up)."""
+        self._catch_up: dict[int, float] = {}
+        """The proposer's running cost per token caught up on (Proposer.caught_up), by the
+        catch-up's size class (its tokens' bit length: 1, 2-3, 4-7, ...)."""
         self.credit = 0.0
         """Seconds that probes may still spend."""
         self._mean_step = 0.0
@@ -160,7 +163,7 @@ class DraftPolicy:
         token_seconds = 0.0 if line is None else (line[0] + line[1] * batch) / batch
         for seq in seqs:
             self._greedy[seq.seq_id] = seq.params.greedy
-        return [self._size(seq, theta, token_seconds, self.catch_up_seconds * backlog, probe)
+        return [self._size(seq, theta, token_seconds, self.catch_up_cost(backlog), probe)
                 for seq, backlog in zip(seqs, backlogs or [0] * len(seqs))]
 
     def num_tokens(self, seq: Sequence, batch: int, backlog: int = 0) -> int:
@@ -195,12 +198,22 @@ class DraftPolicy:
                 k = 1
         return k
 
+    def catch_up_cost(self, tokens: int) -> float:
+        """What catching the proposer up on `tokens` tokens costs: at the per-token cost seen
+        for catch-ups of that size class, else of the nearest class seen (0 before any)."""
+        if tokens <= 0 or not self._catch_up:
+            return 0.0
+        size = tokens.bit_length()
+        nearest = min(self._catch_up, key=lambda c: (abs(c - size), c))  # a tie: the smaller, dearer per token
+        return self._catch_up[nearest] * tokens
+
     def proposed(self, seconds: float, positions: int, caught_up: int = 0) -> None:
         """The proposer took `seconds` for drafts of up to `positions` tokens, having caught
         up on `caught_up` tokens first (Proposer.caught_up)."""
         if caught_up > 0:
             per = max(0.0, seconds - positions * self.propose_seconds) / caught_up
-            self.catch_up_seconds = _running(self.catch_up_seconds, per)
+            size = caught_up.bit_length()
+            self._catch_up[size] = _running(self._catch_up.get(size, 0.0), per)
         elif positions > 0:
             self.propose_seconds = _running(self.propose_seconds, seconds / positions)
 

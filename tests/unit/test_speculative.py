@@ -186,7 +186,8 @@ def probe_unpredictable_text(catch_up_seconds: float, steps: int = 2000) -> tupl
         elapsed += 0.050 + 0.0005 * t
     policy.proposed(0.020, 2)
     policy.proposed(0.020 + catch_up_seconds * 100, 2, caught_up=100)  # a prompt of 100 tokens prefilled
-    assert policy.propose_seconds == pytest.approx(0.010) and policy.catch_up_seconds == pytest.approx(catch_up_seconds)
+    assert policy.propose_seconds == pytest.approx(0.010)
+    assert policy.catch_up_cost(128) == pytest.approx(128 * catch_up_seconds)
     for seq_id in range(8):
         for _ in range(10):
             policy.verified(seq_id, 1, 0)
@@ -198,7 +199,7 @@ def probe_unpredictable_text(catch_up_seconds: float, steps: int = 2000) -> tupl
         for seq, k in zip(seqs, ks):
             if k:
                 probes += 1
-                spent += policy.cost.per_token() + policy.propose_seconds + policy.catch_up_seconds * backlog[seq.seq_id]
+                spent += policy.cost.per_token() + policy.propose_seconds + policy.catch_up_cost(backlog[seq.seq_id])
                 backlog[seq.seq_id] = 0
                 policy.verified(seq.seq_id, k, 0)
             else:
@@ -229,6 +230,24 @@ def test_probes_that_must_catch_up_a_draft_cost_at_most_their_budget():
             cheap.verified(0, 1, 0)
         cheap.step(1, 0.05)
     assert probes == 2  # at 16 and 16 + 32 steps: as often as the back-off allows
+
+
+def test_a_catch_up_is_costed_at_what_catch_ups_of_its_size_cost():
+    """A draft's forward over hundreds of rows can run another kernel than over a few dozen
+    (an int4 draft dequantizes its weights for long ones): per token, a long prompt's
+    prefill says little about a short one's. Each size class keeps its own cost; one not
+    seen yet takes the nearest class's."""
+    policy = DraftPolicy(max_tokens=4)
+    assert policy.catch_up_cost(100) == 0.0  # nothing measured: nothing to hold a draft back
+    policy.proposed(0.001 * 512, 0, caught_up=512)  # 1 ms a token at 512
+    assert policy.catch_up_cost(300) == pytest.approx(0.300)
+    assert policy.catch_up_cost(129) == pytest.approx(0.129)  # nearest: still the long one
+    policy.proposed(0.008 * 129, 0, caught_up=129)
+    assert policy.catch_up_cost(129) == pytest.approx(8 * 0.129)
+    assert policy.catch_up_cost(100) == pytest.approx(0.8)
+    assert policy.catch_up_cost(600) == pytest.approx(0.6)
+    assert policy.catch_up_cost(300) == pytest.approx(2.4)  # between the two: the dearer
+    assert policy.catch_up_cost(0) == 0.0
 
 
 def test_a_server_that_stopped_drafting_tries_again_after_a_while():
@@ -537,7 +556,7 @@ def test_the_draft_prefill_is_not_taken_for_the_cost_of_proposing(tiny):
     assert calls[0] == (True, False)  # the prompt's prefill
     assert len(calls) > 2 and all(steady for _, steady in calls[1:])  # every draft kept: 2 tokens to catch up
     assert costs[0] == len(PROMPTS[0]) + 1 - 2 and not any(costs[1:])  # the prompt and its first token
-    assert policy.catch_up_seconds > 0 and policy.propose_seconds > 0
+    assert policy.catch_up_cost(costs[0]) > 0 and policy.propose_seconds > 0
 
 
 def test_a_draft_model_of_another_vocabulary_is_a_config_error(tiny, tmp_path):
