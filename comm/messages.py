@@ -103,6 +103,19 @@ class StructuredOutputs(Struct, frozen=True, forbid_unknown_fields=True, omit_de
     """Any JSON object (OpenAI's response_format json_object)."""
 
 
+class Constraint(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A constraint as the server's frontends resolve one (engine/structured.py GrammarSpec),
+    which StructuredOutputs cannot always say: a front door (engine/serving/replicas) forwards the
+    constraint of an HTTP request (a forced tool call's markers around a schema) to a
+    replica in this form."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    value: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+    prefix: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+    suffix: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+    param: Annotated[str, Meta(max_length=64)] = "structured_outputs"
+
+
 # ---------------------------------------------------------------- client protocol
 
 
@@ -117,6 +130,8 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     tenant cannot learn another's prompts from how fast its own are answered."""
     structured_outputs: StructuredOutputs | None = None
     """Constrain the output (engine/structured.py)."""
+    constraint: Constraint | None = None
+    """Constrain the output, in the resolved form (not with structured_outputs)."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):

@@ -44,6 +44,11 @@ class ParallelConfig(Section):
     tensor: PositiveInt = 1
     pipeline: PositiveInt = 1
     context: PositiveInt = 1
+    data: PositiveInt = 1
+    """Replicas: each a whole tensor x pipeline x context group of ranks with its own driver,
+    scheduler and KV cache, behind one front door (server.zmq and server.http) that routes
+    each request to one of them (`router`); a replica that fails is taken out, and the others
+    go on serving (meshserve.engine.serving.replicas)."""
     pipeline_layers: list[PositiveInt] | None = None
     """Layers per pipeline stage, first to last (default: even decode cost per stage; the last
     stage, which also runs the LM head, takes fewer layers)."""
@@ -260,6 +265,28 @@ def redacted(config: "Config") -> dict[str, Any]:
     return data
 
 
+class RouterConfig(Section):
+    """How the front door of several replicas (parallel.data > 1) picks one for a request.
+    Either way, a request that continues a conversation (its prompt holds an earlier
+    request's prompt and output) goes where that history is cached."""
+
+    policy: Literal["least_loaded", "cache_aware"] = "least_loaded"
+    """`least_loaded`: the replica holding the fewest tokens of queued and running requests;
+    `cache_aware`: the replica whose prefix cache holds the longest prefix of the prompt (as
+    the front door tracks it: the prompts and outputs it sent there, least recently used
+    forgotten at the replica's cache size), unless it is overloaded (balance_*), as SGLang's
+    router does."""
+    balance_abs_tokens: int = Field(4096, ge=0)
+    """`cache_aware`: the cached replica is overloaded when it holds more than this many tokens
+    above the least-loaded replica ..."""
+    balance_rel: float = Field(2.0, ge=1.0)
+    """... and more than this many times its tokens; the request then goes to the least
+    loaded."""
+    retry: bool = True
+    """A request whose replica fails before it sent the client any token starts over on
+    another replica (else, as those that had output, it gets an `unavailable` error)."""
+
+
 class ClusterConfig(Section):
     """Where the ranks run: how many nodes, how many ranks on each, and how they find each
     other. One node by default; the launcher (`meshserve serve`, torchrun, mpirun, deepspeed)
@@ -313,15 +340,22 @@ class Config(Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
 
     @property
     def world_size(self) -> int:
+        """The ranks of one replica (tensor x pipeline x context): one torch.distributed world."""
         return self.parallel.tensor * self.parallel.pipeline * self.parallel.context
 
     @property
+    def total_ranks(self) -> int:
+        """The ranks of every replica (parallel.data x world_size)."""
+        return self.parallel.data * self.world_size
+
+    @property
     def ranks_per_node(self) -> int:
-        """cluster.ranks_per_node, or the world split evenly over cluster.nodes."""
-        return self.cluster.ranks_per_node or max(1, self.world_size // self.cluster.nodes)
+        """cluster.ranks_per_node, or all replicas' ranks split evenly over cluster.nodes."""
+        return self.cluster.ranks_per_node or max(1, self.total_ranks // self.cluster.nodes)
 
     @property
     def torch_dtype_name(self) -> str:

@@ -38,11 +38,14 @@ def resolved_max_model_len(config: Config, info: ModelInfo) -> int:
 
 
 def cluster_problems(config: Config, info: ModelInfo | None = None) -> list[str]:
-    """The nodes must hold the world exactly, and every tensor-parallel group (consecutive
-    ranks, TP innermost) must sit inside one node."""
+    """The nodes must hold every replica's ranks exactly, every tensor-parallel group
+    (consecutive ranks, TP innermost) must sit inside one node, and so must every replica
+    (several replicas share a node, none is split over two)."""
     p, cluster = config.parallel, config.cluster
-    world = config.world_size
-    sizes = f"parallel.tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {world}"
+    world = config.total_ranks
+    sizes = f"parallel.tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {config.world_size}"
+    if p.data > 1:
+        sizes = f"parallel.data x tensor x pipeline x context = {p.data} x {p.tensor} x {p.pipeline} x {p.context} = {world}"
     if cluster.ranks_per_node is None and world % cluster.nodes:
         return [f"cluster.nodes={cluster.nodes} does not divide the world size ({sizes}) "
                 f"(try cluster.nodes {_or_list(divisors(world))}, or set cluster.ranks_per_node)"]
@@ -57,6 +60,10 @@ def cluster_problems(config: Config, info: ModelInfo | None = None) -> list[str]
                         f"parallel group would span nodes (tensor groups stay inside a node, pipeline stages may "
                         f"cross nodes; try parallel.tensor {_or_list(fits)} with more pipeline stages, or more "
                         f"ranks per node)")
+    if p.data > 1 and not problems and per_node % config.world_size:
+        problems.append(f"parallel.data={p.data}: a replica of {config.world_size} ranks (parallel.tensor x pipeline x "
+                        f"context) does not fit whole in cluster.ranks_per_node={per_node}: each replica runs on one "
+                        f"node (set cluster.ranks_per_node to a multiple of {config.world_size})")
     return problems
 
 

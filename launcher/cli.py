@@ -173,6 +173,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"#   KV cache:          {memory.num_blocks} blocks x {memory.block_size} tokens = "
           f"{memory.kv_cache_tokens} tokens, {_mib(memory.kv_cache_bytes)}")
     print(f"#   max_model_len:     {memory.max_model_len}")
+    if config.parallel.data > 1:
+        print(f"# replicas: {config.parallel.data} (parallel.data), each {config.world_size} rank(s) as above, "
+              f"{config.total_ranks} ranks in all, routed {config.router.policy}")
     return 0
 
 
@@ -180,6 +183,19 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
     """Validate, then: world size 1 -> this process is the rank; `--as-rank` -> this process
     is one rank of a launcher's world; otherwise start this node's ranks."""
     config, info, memory = load(args)
+    if config.parallel.data > 1:
+        if args.as_rank:
+            raise StartupError(f"parallel.data={config.parallel.data} under a launcher's world: start the replicas "
+                               f"with `meshserve serve`, which launches each apart so that one failing does not "
+                               f"end the others (under torchrun, one rank's failure stops every rank of the node)")
+        if args.command != "serve":
+            raise ConfigError(f"parallel.data={config.parallel.data}: `meshserve {args.command}` runs one replica "
+                              f"(set parallel.data=1); `meshserve serve` starts several behind one front door")
+        from meshserve.launcher.front_door import serve_replicas
+
+        if args.api_key is not None:
+            export_api_key(args.api_key)
+        return serve_replicas(config, info, memory, args.argv, getattr(args, "drain_timeout", 30.0), args.node_rank)
     if args.as_rank:
         from meshserve.launcher.env import rank_env_from_environ
         from meshserve.launcher.rank import run_rank

@@ -38,6 +38,7 @@ FLAGS = (
     Flag(("--max-model-len",), "model.max_model_len", int, "most tokens of a sequence (prompt + output)"),
     Flag(("-tp", "--tensor-parallel-size"), "parallel.tensor", int, "tensor-parallel ranks"),
     Flag(("-pp", "--pipeline-parallel-size"), "parallel.pipeline", int, "pipeline stages"),
+    Flag(("-dp", "--data-parallel-size"), "parallel.data", int, "replicas behind one front door"),
     Flag(("--max-num-seqs",), "scheduler.max_num_seqs", int, "most sequences in one step"),
     Flag(("--served-model-name",), "server.model_name", str, "the model's name in the HTTP API"),
     Flag(("-md", "--model-draft"), "speculative.model", str, "a draft model for speculative decoding "

@@ -13,6 +13,8 @@
     commands.py       what frontends hand the step loop, and the Frontend protocol
     server.py         the step loop on the driver's main thread: commands in, steps, replies out
     metrics.py        Prometheus metrics of the engine and the HTTP server
+    replicas/         several replicas behind one front door (parallel.data): the same
+                      frontends, a router and a link to each replica's driver
 
 The engine core (engine/*.py) imports nothing from here (tests/unit/test_layering.py).
 """

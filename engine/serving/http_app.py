@@ -168,7 +168,9 @@ def build_app(frontend: HttpFrontend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(frontend.registry), media_type=CONTENT_TYPE_LATEST)
+        # NOTE: on a thread: a front door's registry reads its replicas' /metrics over HTTP
+        text = await asyncio.to_thread(generate_latest, frontend.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import uvicorn
@@ -179,6 +179,8 @@ class HttpFrontend:
         """Set by close(): /health answers 503 from then on."""
         self.failure: str | None = None
         """Why the engine died (fail()): /health answers 503 with it."""
+        self.health_source: Callable[[], tuple[int, dict]] | None = None
+        """What /health answers while serving, if not plain `ok` (a front door's replicas)."""
         self._sock = bind_socket(address)
         host, port = self._sock.getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -575,13 +577,15 @@ class HttpFrontend:
         log.info("prefix cache reset: %d cached blocks forgotten", dropped)
         return {"status": "ok", "dropped_blocks": dropped}
 
-    def health(self) -> tuple[int, dict[str, str]]:
+    def health(self) -> tuple[int, dict]:
         if self.failure is not None:
             return 503, {"status": "failed", "reason": self.failure}
         if self.stopped:
             return 503, {"status": "stopped"}
         if not self.accepting:
             return 503, {"status": "draining"}
+        if self.health_source is not None:
+            return self.health_source()
         return 200, {"status": "ok"}
 
 

@@ -30,7 +30,7 @@ from meshserve.comm.messages import (AbortRequest, Delta, ErrorCode, ErrorReply,
                                      client_decoder, encoder)
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
 from meshserve.engine.serving.tokenize_pool import TokenizePool
-from meshserve.engine.structured import GrammarCompiler, spec_from_message
+from meshserve.engine.structured import GrammarCompiler, GrammarSpec, spec_from_message
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.engine.admission import RequestError, admit_prompt, check_admissible, prompt_source
 
@@ -244,7 +244,7 @@ class ZmqFrontend:
         except RequestError as e:
             self._reply_error(identity, msg.request_id, e.code, e.message)
             return
-        if isinstance(source, str) or msg.structured_outputs is not None:
+        if isinstance(source, str) or msg.structured_outputs is not None or msg.constraint is not None:
             self._tokenizing[key] = False
             self._tokenize_pool.submit(len(source), self._tokenize, key, msg, source)
         else:
@@ -256,8 +256,12 @@ class ZmqFrontend:
         try:
             ids = admit_prompt(self.tokenizer, prompt, req.params, self.vocab_size, self.max_model_len)
             grammar = None
+            if req.structured_outputs is not None and req.constraint is not None:
+                raise RequestError("bad_request", "set structured_outputs or constraint, not both", "constraint")
             if req.structured_outputs is not None:
                 grammar = self.grammars.compile(spec_from_message(req.structured_outputs))
+            elif req.constraint is not None:
+                grammar = self.grammars.compile(GrammarSpec(**msgspec.structs.asdict(req.constraint)))
         except RequestError as e:
             self._tokenizing.pop(key, None)
             self._failed.put((key.client, ErrorReply(req.request_id, e.code, e.message)))

@@ -1,6 +1,7 @@
 """Across nodes, through the launchers clusters use: two network namespaces stand in for two
 nodes (tp = 2 inside each, pp = 2 across them) started by `meshserve serve --node-rank K` and
-by torchrun; `mpiexec -n 4` with mpi4py; the deepspeed launcher. Greedy tokens equal one rank's.
+by torchrun, and two replicas (parallel.data=2), one per node, behind node 0's front door;
+`mpiexec -n 4` with mpi4py; the deepspeed launcher. Greedy tokens equal one rank's.
 Across the namespaces the control plane is CURVE-encrypted (the configs carry a secret): a
 process on node 1 without it hears nothing on the driver's PUB port and its forged results
 change nothing; without a secret (and without cluster.insecure_control_plane) every node
@@ -177,6 +178,33 @@ def test_two_nodes_serve_node_rank_tp2_pp2_matches_one_rank(nodes, tmp_path, tin
     procs = serve_two_nodes(nodes, tmp_path, lambda k: [*CLI, "serve", str(cfg), "--node-rank", str(k)])
     try:
         check_serves_and_stops(nodes, procs, one_rank_tokens)
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_two_nodes_one_replica_each_behind_node0s_front_door(nodes, tmp_path, tiny_checkpoints, one_rank_tokens):
+    """parallel.data=2 over two nodes: node 0 runs the front door and replica 0, node 1
+    replica 1, which it announces to node 0 and stops when node 0 stops."""
+    address = f"tcp://{nodes.addresses[0]}:5557"
+    cfg = write_config(tmp_path, tiny_checkpoints["llama"], "dp2.yaml", tensor=1, zmq=address, secret=SECRET,
+                       cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": 29530,
+                                "interface": nodes.interface, "rendezvous_timeout": 120, "handshake_timeout": 120})
+    procs = serve_two_nodes(nodes, tmp_path, lambda k: [*CLI, "serve", str(cfg), "--set", "parallel.data=2",
+                                                        "--node-rank", str(k)])
+    node0, node1 = procs
+    try:
+        line = node0.wait_ready(240)
+        assert "replicas=2" in line and f"zmq={address}" in line
+        assert f"replica 1 serves at tcp://{nodes.addresses[1]}:" in node0.tail(200_000)
+        # one request after the other: least-loaded routing alternates (fewest routed first)
+        assert tokens_from_node0(nodes, address) == one_rank_tokens
+        assert node0.stop() == 0, node0.tail()
+        assert node1.proc.wait(90) == 0, node1.tail()
+        served = re.findall(r"replica (\d) \| .*stopped after \d+ steps, (\d+) requests", node0.tail(200_000) +
+                            node1.tail(200_000))
+        assert sorted(served) == [("0", "1"), ("1", "1")], served
     finally:
         for p in procs:
             p.kill()

@@ -119,3 +119,15 @@ def test_servers_open_beyond_this_machine_without_a_secret_are_warned_about(capl
     assert exposure_warnings(load_config(None, ["server.zmq=ipc:///tmp/x.sock", "server.http=null"])) == []
     assert main(["check", "--host", "0.0.0.0"]) == 0
     assert "server.http=0.0.0.0:8000 listens beyond this machine" in caplog.text
+
+
+def test_replicas_are_served_by_meshserve_serve_only(capsys, tiny_checkpoints):
+    config, out = check(capsys, "--model", str(tiny_checkpoints["llama"]), "-dp", "2", "--set",
+                        "router.policy=cache_aware")
+    assert config["parallel"]["data"] == 2 and config["router"]["policy"] == "cache_aware"
+    assert "# replicas: 2 (parallel.data), each 1 rank(s) as above, 2 ranks in all, routed cache_aware" in out
+    assert main(["generate", "--model", str(tiny_checkpoints["llama"]), "-dp", "2", "--prompt", "hi"]) == 2
+    assert "`meshserve generate` runs one replica (set parallel.data=1)" in capsys.readouterr().err
+    assert main(["worker", "--model", str(tiny_checkpoints["llama"]), "-dp", "2"]) == 1
+    assert "parallel.data=2 under a launcher's world: start the replicas with `meshserve serve`" in \
+        capsys.readouterr().err

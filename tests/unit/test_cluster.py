@@ -193,3 +193,36 @@ def test_a_ranks_reported_reason_reaches_the_elastic_agent(tmp_path, monkeypatch
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
     assert reported_reason(failure.error_file_data) == failure.message == "rank 1 sent no heartbeat for 4 s"
     assert failure.timestamp > 0
+
+
+def test_replicas_fit_whole_on_nodes_and_are_placed_replica_by_replica(tiny_checkpoints):
+    from meshserve.launcher.front_door import node_replicas
+    from meshserve.launcher.replicas import core_shares, replica_overrides
+
+    config = tiny(tiny_checkpoints, "parallel.data=2", "parallel.tensor=2")
+    assert (config.world_size, config.total_ranks, config.ranks_per_node) == (2, 4, 4)
+    assert node_replicas(config, 0) == [0, 1]
+    error = check_error(tiny(tiny_checkpoints, "parallel.data=2", "parallel.tensor=2", "cluster.nodes=2",
+                             "cluster.ranks_per_node=3"))
+    assert "cluster.nodes=2 x cluster.ranks_per_node=3 = 6 ranks, but the world size is parallel.data x tensor" in error
+    error = check_error(tiny(tiny_checkpoints, "parallel.data=3", "parallel.pipeline=2", "cluster.nodes=2"))
+    assert "parallel.data=3: a replica of 2 ranks (parallel.tensor x pipeline x context) does not fit whole in " \
+           "cluster.ranks_per_node=3" in error
+    two_nodes = tiny(tiny_checkpoints, "parallel.data=4", "cluster.nodes=2")
+    assert node_replicas(two_nodes, 0) == [0, 1] and node_replicas(two_nodes, 1) == [2, 3]
+    # 4 ranks on 4 cores: a core each, replica by replica; on 2 cores they share, one thread each
+    shares = core_shares(config, cores=[0, 1, 2, 3])
+    assert shares == [[0], [1], [2], [3]]
+    sets = replica_overrides(config, 1, shares, 6001)
+    assert sets[1::2] == ["parallel.data=1", "server.zmq=tcp://127.0.0.1:6001", "server.http=127.0.0.1:0",
+                          "cluster.nodes=1", "cluster.ranks_per_node=2", "cluster.master_addr=null",
+                          'device.cpu_bind=["2","3"]']
+    assert core_shares(config, cores=[0, 1]) == [None] * 4
+    assert replica_overrides(config, 0, [None] * 4, 6000)[-4:] == ["--set", "device.cpu_bind=none",
+                                                                   "--set", "device.threads=1"]
+    # what a replica's --set items make of the config: one replica, valid as it stands (2 cores: one each)
+    two = tiny(tiny_checkpoints, "parallel.data=2")
+    sets = replica_overrides(two, 1, core_shares(two, cores=[0, 1]), 6001)
+    replica = load_config(None, [f"model.path={tiny_checkpoints['llama']}", "parallel.data=2", *sets[1::2]])
+    assert replica.parallel.data == 1 and replica.device.cpu_bind == ["1"] and replica.total_ranks == 1
+    check_config(replica, "replica.yaml")

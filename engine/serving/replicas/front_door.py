@@ -1,0 +1,284 @@
+"""The front door of several replicas: the frontends' requests (the same ZMQ and HTTP
+frontends a single replica serves with) go to the replica the router picks, over a
+ReplicaLink; every reply comes back to the frontend that owns the request. One thread
+(the process's main one) runs the loop and owns the links, as the step loop owns the engine.
+
+A replica that fails is taken out: the requests it had not yet sent a token for start over
+on another replica (router.retry), the others get an `unavailable` error naming the replica,
+and the rest of the deployment goes on serving. /health says `degraded` (HTTP 200, so a
+load balancer keeps sending) while at least one replica serves; with none, 503 `failed`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from meshserve.comm.messages import Constraint, Delta, ErrorReply, GenerateRequest
+from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Frontend, Inbox, RequestKey,
+                                               ResetPrefixCacheCommand)
+from meshserve.engine.serving.replicas.link import ReplicaLink
+from meshserve.engine.serving.replicas.routing import Route, Router
+
+log = logging.getLogger("meshserve")
+
+POLL_MS = 100
+RETRYABLE = ("unavailable", "overloaded")
+"""A replica's errors that say nothing of the request itself: another replica may take it."""
+
+
+@dataclass(frozen=True)
+class ReplicaDown:
+    """A replica's processes ended (from the supervisor's thread)."""
+
+    replica: int
+    reason: str
+    expected: bool = False
+    """It stopped because the deployment is stopping."""
+
+
+@dataclass
+class _Pending:
+    cmd: AddCommand
+    replica: int
+    tried: set[int] = field(default_factory=set)
+    sent_output: bool = False
+    """The client has had tokens of it: it cannot start over elsewhere."""
+
+
+class WakingInbox(Inbox):
+    """The frontends' queue, with a pipe the loop polls beside the replicas' sockets, so a
+    new request wakes it at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        try:
+            os.write(self._write, b"\0")
+        except BlockingIOError:  # the pipe is full: the loop has wake-ups enough
+            pass
+
+    def fileno(self) -> int:
+        return self._read
+
+    def take_all(self) -> list:
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        items = []
+        try:
+            while True:
+                items.append(self.get_nowait())
+        except queue.Empty:
+            return items
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
+class FrontDoor:
+    def __init__(self, inbox: WakingInbox, frontends: list[Frontend], links: list[ReplicaLink], router: Router,
+                 retry: bool = True, observer=None, reset_prefix_caches=None):
+        """`observer`: told of routes, retries and replica failures (RouterMetrics).
+        `reset_prefix_caches()`: forgets every replica's prefix cache, returns the blocks
+        forgotten (run on a thread of its own)."""
+        self.inbox, self.links, self.router, self.retry = inbox, links, router, retry
+        self.frontends = {f.tag: f for f in frontends}
+        self.observer = observer
+        self.reset_prefix_caches = reset_prefix_caches
+        self.down: dict[int, str] = {}
+        """Replicas out of service -> why."""
+        self.stopping = threading.Event()
+        self._pending: dict[str, _Pending] = {}
+        """By the id the front door gave the request on its replica's link."""
+        self._link_ids: dict[RequestKey, str] = {}
+        self._ids = (str(i) for i in itertools.count())
+        self._stop_deadline: float | None = None
+
+    # ------------------------------------------------------------------ any thread
+
+    def request_stop(self, timeout: float | None = None) -> None:
+        """Refuse new requests; the loop ends once every replica has stopped, or after
+        `timeout` seconds (a replica that never reports its end)."""
+        for frontend in self.frontends.values():
+            frontend.accepting = False
+        if timeout is not None:
+            self._stop_deadline = time.monotonic() + timeout
+        self.stopping.set()
+
+    def health(self) -> tuple[int, dict]:
+        total = len(self.links)
+        down = dict(self.down)
+        replicas = {"total": total, "serving": total - len(down),
+                    "down": [{"replica": r, "reason": why} for r, why in sorted(down.items())]}
+        if len(down) == total:
+            return 503, {"status": "failed", "replicas": replicas}
+        return 200, {"status": "degraded" if down else "ok", "replicas": replicas}
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        """Serve until every replica is down (stopped or failed); 0 if they were stopped,
+        1 if they all failed."""
+        for frontend in self.frontends.values():
+            frontend.start()
+        poller = zmq.Poller()
+        poller.register(self.inbox.fileno(), zmq.POLLIN)
+        for link in self.links:
+            poller.register(link.socket, zmq.POLLIN)
+        failed = False
+        while len(self.down) < len(self.links):
+            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                log.warning("replicas %s did not report their end: giving up on them",
+                            sorted(set(range(len(self.links))) - set(self.down)))
+                break
+            for frontend in self.frontends.values():
+                if frontend.error is not None:
+                    raise RuntimeError(f"the {frontend.tag} frontend died") from frontend.error
+            events = dict(poller.poll(POLL_MS))
+            for link in self.links:
+                if link.socket in events:
+                    for reply in link.receive():
+                        self._on_reply(link.index, reply)
+            for cmd in self.inbox.take_all():
+                if isinstance(cmd, ReplicaDown):
+                    poller.unregister(self.links[cmd.replica].socket)
+                    failed = self._on_down(cmd) or failed
+                else:
+                    self._on_command(cmd)
+        for p in list(self._pending.values()):
+            self._reply(p, ErrorReply(p.cmd.request_id, "unavailable", "the server stopped"))
+        return 1 if failed and not self.stopping.is_set() else 0
+
+    def _on_command(self, cmd) -> None:
+        if isinstance(cmd, AddCommand):
+            self._send(_Pending(cmd, -1))
+        elif isinstance(cmd, AbortCommand):
+            link_id = self._link_ids.get(cmd.key)
+            if link_id is not None:
+                self.links[self._pending[link_id].replica].abort(link_id)
+        elif isinstance(cmd, ResetPrefixCacheCommand):
+            for index in self.router.indexes:
+                index.clear()
+            if self.reset_prefix_caches is None:
+                cmd.done.set_result(0)
+            else:
+                threading.Thread(target=lambda: _settle(cmd.done, self.reset_prefix_caches), daemon=True).start()
+
+    def _send(self, p: _Pending) -> None:
+        """Route `p` to a replica it has not tried, or answer it with an error."""
+        cmd = p.cmd
+        if self.stopping.is_set() and p.tried:
+            self._reply(p, ErrorReply(cmd.request_id, "unavailable", "the server is shutting down"))
+            return
+        route: Route | None = self.router.route(cmd.prompt_ids, cmd.cache_salt, exclude=p.tried)
+        if route is None:
+            why = "; ".join(f"replica {r}: {reason}" for r, reason in sorted(self.down.items())) or "none up"
+            self._reply(p, ErrorReply(cmd.request_id, "unavailable",
+                                      f"no replica can take the request ({len(self.down)} of {len(self.links)} out of "
+                                      f"service: {why})"))
+            return
+        link_id = next(self._ids)
+        p.replica = route.replica
+        p.tried.add(route.replica)
+        self._pending[link_id] = p
+        self._link_ids[cmd.key] = link_id
+        self.router.started(cmd.key, route, cmd.prompt_ids, cmd.cache_salt)
+        if self.observer is not None:
+            self.observer.routed_to(route)
+        grammar = None if cmd.grammar is None else Constraint(**_spec_fields(cmd.grammar.spec))
+        self.links[route.replica].send(GenerateRequest(link_id, prompt_token_ids=cmd.prompt_ids, params=cmd.params,
+                                                       stream=cmd.stream, cache_salt=cmd.cache_salt,
+                                                       constraint=grammar))
+
+    def _on_reply(self, replica: int, reply: Delta | ErrorReply) -> None:
+        p = self._pending.get(reply.request_id) if reply.request_id is not None else None
+        if p is None or p.replica != replica:
+            if isinstance(reply, ErrorReply) and reply.request_id is None:
+                log.error("replica %d: %s: %s", replica, reply.code, reply.message)
+            return
+        key = p.cmd.key
+        if isinstance(reply, ErrorReply):
+            self._forget(reply.request_id, completed=False)
+            if reply.code in RETRYABLE and self._may_retry(p):
+                self._retry(p, f"{reply.code}: {reply.message}")
+                return
+            if reply.code in RETRYABLE:  # the replica's state, not the request's: say which
+                reply = msgspec.structs.replace(reply, message=f"replica {replica}: {reply.message}")
+            self._reply(p, reply)
+            return
+        if reply.token_ids:
+            self.router.produced(key, reply.token_ids)
+        if reply.finish_reason is not None:
+            self._forget(reply.request_id, completed=reply.finish_reason != "abort")
+        self._reply(p, reply)
+
+    def _may_retry(self, p: _Pending) -> bool:
+        return self.retry and not self.stopping.is_set() and not p.sent_output
+
+    def _retry(self, p: _Pending, why: str) -> None:
+        log.warning("request %s: replica %d could not serve it (%s); trying another", p.cmd.request_id, p.replica, why)
+        if self.observer is not None:
+            self.observer.retried(p.replica)
+        self._send(p)
+
+    def _on_down(self, event: ReplicaDown) -> bool:
+        """Take the replica out; whether it failed (rather than stopped)."""
+        r = event.replica
+        expected = event.expected or self.stopping.is_set()
+        self.down[r] = "stopped" if expected else event.reason
+        self.router.set_up(r, False)
+        self.links[r].close()
+        if self.observer is not None:
+            self.observer.replica_down(r)
+        if not expected:
+            log.error("replica %d is out of service: %s; %d of %d replicas serve", r, event.reason,
+                      len(self.links) - len(self.down), len(self.links))
+        for link_id in [i for i, p in self._pending.items() if p.replica == r]:
+            p = self._pending[link_id]
+            self._forget(link_id, completed=False)
+            if self._may_retry(p):
+                self._retry(p, event.reason)
+            else:
+                self._reply(p, ErrorReply(p.cmd.request_id, "unavailable", f"replica {r} failed: {event.reason}"))
+        return not event.expected
+
+    def _forget(self, link_id: str, completed: bool) -> None:
+        p = self._pending.pop(link_id)
+        self._link_ids.pop(p.cmd.key, None)
+        self.router.finished(p.cmd.key, completed)
+
+    def _reply(self, p: _Pending, message) -> None:
+        """To the client, under its own request id."""
+        if isinstance(message, Delta) and message.token_ids:
+            p.sent_output = True
+        if message.request_id != p.cmd.request_id:
+            message = msgspec.structs.replace(message, request_id=p.cmd.request_id)
+        self.frontends[p.cmd.key.frontend].send(p.cmd.key, message)
+
+
+def _spec_fields(spec) -> dict:
+    return {"kind": spec.kind, "value": spec.value, "prefix": spec.prefix, "suffix": spec.suffix, "param": spec.param}
+
+
+def _settle(done, fn) -> None:
+    try:
+        done.set_result(fn())
+    except Exception as e:  # reported to the HTTP caller
+        done.set_exception(e)

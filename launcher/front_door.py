@@ -1,0 +1,280 @@
+"""`meshserve serve` of parallel.data replicas: on node 0, bind the front door's addresses,
+start this node's replicas (launcher/replicas.py), wait until every replica of every node
+serves, then route requests to them (engine/serving/replicas/front_door.py) until stopped; on
+another node (`--node-rank K`), start that node's replicas, announce them to node 0
+(launcher/replica_registry.py) and stop them when node 0 says so or goes away."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import httpx
+import zmq
+
+from meshserve.configs.memory import MemoryPlan
+from meshserve.configs.model_info import ModelInfo, served_name
+from meshserve.configs.schema import Config
+from meshserve.engine.serving.replicas.front_door import FrontDoor, ReplicaDown, WakingInbox
+from meshserve.engine.serving.replicas.link import ReplicaLink
+from meshserve.engine.serving.replicas.metrics import front_door_registry
+from meshserve.engine.serving.replicas.routing import Router
+from meshserve.engine.serving.zmq_frontend import ZmqFrontend
+from meshserve.engine.structured import GrammarCompiler
+from meshserve.engine.tokenizer import Tokenizer
+from meshserve.launcher.errors import StartupError
+from meshserve.launcher.network import host_address, interface_address
+from meshserve.launcher.replica_registry import ReplicaRegistry
+from meshserve.launcher.replicas import (STOP_GRACE_S, ReplicaProcess, core_shares, free_ports, replica_argv,
+                                         replica_overrides, start_replica, stop_replicas, wait_stopped)
+from meshserve.launcher.serve import SAME_SIGNAL_S
+
+log = logging.getLogger("meshserve")
+
+RESET_TIMEOUT_S = 30.0
+NODE_POLL_S = 0.5
+
+
+def front_door_ready_line(zmq_address: str, http_address: str | None, config: Config) -> str:
+    http = f"http://{http_address}" if http_address else "off"
+    return (f"meshserve ready zmq={zmq_address} http={http} model={config.model.path} "
+            f"replicas={config.parallel.data} world_size={config.world_size}")
+
+
+def node_replicas(config: Config, node_rank: int) -> list[int]:
+    """The replicas node `node_rank` runs (each replica whole on one node, in order)."""
+    per_node = config.ranks_per_node // config.world_size
+    return list(range(node_rank * per_node, (node_rank + 1) * per_node))
+
+
+def replica_host(config: Config) -> str:
+    """Where this node's replicas listen for the front door: loopback on one node, else the
+    node's address on cluster.interface (or its host name's)."""
+    if config.cluster.nodes == 1:
+        return "127.0.0.1"
+    return interface_address(config.cluster.interface) if config.cluster.interface else host_address()
+
+
+def start_node_replicas(config: Config, argv: list[str], node_rank: int, on_exit) -> list[ReplicaProcess]:
+    host = replica_host(config)
+    shares = core_shares(config)
+    indices = node_replicas(config, node_rank)
+    ports = free_ports(len(indices), host)
+    base = replica_argv(argv)
+    return [start_replica(r, base, replica_overrides(config, j, shares, ports[j], host), on_exit)
+            for j, r in enumerate(indices)]
+
+
+def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: list[str], drain_timeout: float,
+                   node_rank: int | None = None) -> int:
+    nodes = config.cluster.nodes
+    if nodes > 1 and (node_rank is None or not 0 <= node_rank < nodes):
+        raise StartupError(f"cluster.nodes={nodes}: start `meshserve serve CONFIG --node-rank K` on each node, "
+                           f"K = 0 .. {nodes - 1} (node 0 runs the front door)")
+    if nodes > 1 and node_rank > 0:
+        return serve_node(config, argv, node_rank, drain_timeout)
+    registry = ReplicaRegistry(config, host=True) if nodes > 1 else None
+    tokenizer = Tokenizer(info, config.model.tokenizer)
+    inbox = WakingInbox()
+    grammars = GrammarCompiler(tokenizer, info.vocab_size)
+    router = Router(config.parallel.data, config.router.policy, config.cache.block_size, memory.num_blocks,
+                    config.router.balance_abs_tokens, config.router.balance_rel)
+    frontends = [ZmqFrontend(config.server.zmq, inbox, tokenizer, info.vocab_size, memory.max_model_len,
+                             secret=config.server.secret, curve=config.server.curve, grammars=grammars)]
+    replicas: list[ReplicaProcess] = []
+    scrape_urls: list[tuple[int, str]] = []
+    http = None
+    metrics = None
+    if config.server.http is not None:
+        from meshserve.engine.serving.http_frontend import HttpFrontend
+
+        prom, metrics = front_door_registry(router, lambda: [(r, url) for r, url in scrape_urls if router.up[r]],
+                                            config.server.api_key)
+        try:
+            http = HttpFrontend(config.server.http, inbox, tokenizer, info.vocab_size, memory.max_model_len,
+                                config.server.model_name or served_name(config.model.path), prom,
+                                api_key=config.server.api_key, limits=config.server.http_limits,
+                                metrics_public=config.server.metrics.public,
+                                cors_allowed_origins=config.server.cors_allowed_origins, grammars=grammars)
+        except OSError:
+            frontends[0].close()
+            raise
+        frontends.append(http)
+    started = time.monotonic()
+    replicas += start_node_replicas(config, argv, 0, lambda index, reason: inbox.put(ReplicaDown(index, reason)))
+    remote = [r for r in range(config.parallel.data) if r not in node_replicas(config, 0)]
+    try:
+        addresses = _wait_ready(replicas, registry, remote,
+                                config.cluster.rendezvous_timeout + config.cluster.handshake_timeout)
+    except StartupError:
+        if registry is not None:
+            registry.stop()
+        stop_replicas(replicas)
+        wait_stopped(replicas, STOP_GRACE_S)
+        for frontend in frontends:
+            frontend.close()
+        raise
+    for r, (zmq_address, http_url) in sorted(addresses.items()):
+        log.info("replica %d serves at %s (node %d)", r, zmq_address, r // len(node_replicas(config, 0)))
+    log.info("%d replicas serve (started in %.1f s)", len(addresses), time.monotonic() - started)
+    ctx = zmq.Context()
+    links = [ReplicaLink(ctx, r, addresses[r][0], config.server.secret, config.server.curve)
+             for r in range(config.parallel.data)]
+    urls = {r: http_url for r, (_, http_url) in addresses.items()}
+    scrape_urls.extend((r, url) for r, url in sorted(urls.items()) if url)
+    door = FrontDoor(inbox, frontends, links, router, config.router.retry, metrics,
+                     reset_prefix_caches=lambda: _reset_prefix_caches(urls, router, config.server.api_key))
+    if http is not None:
+        http.health_source = door.health
+    if registry is not None:
+        _watch_remote(registry, remote, inbox, door)
+    _on_signals(door, replicas, registry, drain_timeout)
+    zmq_address = frontends[0].address
+    print(front_door_ready_line(zmq_address, http.address if http else None, config), flush=True)
+    try:
+        code = door.run()
+    finally:
+        if registry is not None:
+            registry.stop()
+        stop_replicas(replicas)
+        wait_stopped(replicas, drain_timeout + STOP_GRACE_S)
+        for frontend in frontends:
+            frontend.close()
+        for link in links:
+            link.close()
+        ctx.term()
+        inbox.close()
+    return code
+
+
+def serve_node(config: Config, argv: list[str], node_rank: int, drain_timeout: float) -> int:
+    """Node `node_rank` > 0: its replicas, announced to node 0's registry, until node 0 says
+    stop (or is gone: the store stops answering) or they all end; 0 if they were stopped."""
+    log.info("node %d: meeting node 0 at %s:%d (up to %d s)", node_rank, config.cluster.master_addr,
+             config.cluster.master_port, config.cluster.rendezvous_timeout)
+    try:
+        registry = ReplicaRegistry(config, host=False)
+    except Exception as e:  # torch raises DistStoreError, DistNetworkError, RuntimeError
+        raise StartupError(f"node {node_rank}: waited {config.cluster.rendezvous_timeout} s (cluster.rendezvous_timeout) "
+                           f"for node 0's registry at {config.cluster.master_addr}:{config.cluster.master_port}: "
+                           f"{type(e).__name__}: {e}") from None
+    ended: dict[int, str] = {}
+    replicas = start_node_replicas(config, argv, node_rank, lambda index, reason: ended.setdefault(index, reason))
+    stopping: list[float] = []
+
+    def stop(reason: str) -> None:
+        if not stopping:
+            stopping.append(time.monotonic())
+            log.info("node %d: %s: stopping its replicas (they drain, up to %.0f s)", node_rank, reason, drain_timeout)
+            stop_replicas(replicas)
+
+    signal.signal(signal.SIGTERM, lambda *_: stop("SIGTERM"))
+    signal.signal(signal.SIGINT, lambda *_: stop("SIGINT"))
+    announced: set[int] = set()
+    reported: set[int] = set()
+    while len(reported) < len(replicas):
+        time.sleep(NODE_POLL_S)
+        try:
+            for replica in replicas:
+                if replica.ready.is_set() and replica.index not in announced:
+                    registry.announce(replica.index, replica.zmq, replica.http)
+                    announced.add(replica.index)
+            for index, reason in list(ended.items()):
+                if index not in reported:
+                    registry.report_down(index, reason)
+                    reported.add(index)
+            if registry.stopping():
+                stop("node 0 stops the deployment")
+        except Exception as e:  # the store is gone with node 0
+            stop(f"node 0's registry stopped answering ({type(e).__name__})")
+            reported.update(ended)
+        if stopping and time.monotonic() - stopping[0] > drain_timeout + STOP_GRACE_S:
+            wait_stopped(replicas, 0.0)
+    wait_stopped(replicas, STOP_GRACE_S)
+    return 0 if stopping else 1
+
+
+def _wait_ready(replicas: list[ReplicaProcess], registry: ReplicaRegistry | None, remote: list[int],
+                timeout: float) -> dict[int, tuple[str, str | None]]:
+    """Every replica's (zmq, http) once it serves: this node's from their ready lines, the
+    others' from the registry."""
+    deadline = time.monotonic() + timeout
+    addresses = {}
+    for replica in replicas:
+        while not replica.ready.wait(0.2):
+            code = replica.process.poll()
+            if code is not None:
+                time.sleep(0.2)  # its last lines
+                raise StartupError(f"replica {replica.index} exited while starting ({replica.exit_reason(code)})")
+            if time.monotonic() > deadline:
+                raise StartupError(f"replica {replica.index} did not serve within {timeout:.0f} s "
+                                   f"(cluster.rendezvous_timeout + cluster.handshake_timeout)")
+        addresses[replica.index] = replica.zmq, replica.http
+    for r in remote:
+        while (found := registry.address(r)) is None:
+            down = registry.down([r])
+            if down:
+                raise StartupError(f"replica {r} exited while starting ({down[r]})")
+            if time.monotonic() > deadline:
+                raise StartupError(f"replica {r} (on another node) did not serve within {timeout:.0f} s "
+                                   f"(cluster.rendezvous_timeout + cluster.handshake_timeout): is its node started "
+                                   f"with --node-rank?")
+            time.sleep(NODE_POLL_S)
+        addresses[r] = found
+    return addresses
+
+
+def _watch_remote(registry: ReplicaRegistry, remote: list[int], inbox: WakingInbox, door: FrontDoor) -> None:
+    """Tell the front door when another node reports one of its replicas ended."""
+
+    def watch() -> None:
+        seen: set[int] = set()
+        while len(seen) < len(remote):
+            try:
+                down = registry.down([r for r in remote if r not in seen])
+            except Exception as e:  # the store is this process's own: it goes only at exit
+                log.debug("registry: %s", e)
+                return
+            for r, reason in down.items():
+                seen.add(r)
+                inbox.put(ReplicaDown(r, reason))
+            time.sleep(NODE_POLL_S)
+
+    threading.Thread(target=watch, name="meshserve-registry", daemon=True).start()
+
+
+def _on_signals(door: FrontDoor, replicas: list[ReplicaProcess], registry: ReplicaRegistry | None,
+                drain_timeout: float) -> None:
+    """The first SIGTERM/SIGINT drains: the front door refuses new requests and every replica
+    finishes its own (up to `drain_timeout`); a later one ends them now."""
+    first: list[float] = []
+
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        if not first:
+            first.append(time.monotonic())
+            log.info("%s: draining %d replicas (up to %.0f s; a second signal ends the requests now)", name,
+                     len(replicas), drain_timeout)
+            door.request_stop(drain_timeout + STOP_GRACE_S)
+            if registry is not None:
+                registry.stop()
+            stop_replicas(replicas, signal.SIGTERM)
+        elif time.monotonic() - first[0] >= SAME_SIGNAL_S:
+            log.warning("second %s: ending the requests in flight now", name)
+            stop_replicas(replicas, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def _reset_prefix_caches(urls: dict[int, str | None], router: Router, api_key: str | None) -> int:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    dropped = 0
+    for r, url in sorted(urls.items()):
+        if url and router.up[r]:
+            reply = httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=RESET_TIMEOUT_S)
+            reply.raise_for_status()
+            dropped += reply.json().get("dropped_blocks", 0)
+    return dropped

@@ -1,0 +1,214 @@
+"""Data-parallel replicas behind one front door (`meshserve serve` with parallel.data=2):
+
+- SmolLM2 at dp=2: greedy tokens equal transformers', requests spread over both replicas,
+  a conversation's second turn goes to the replica holding its first (and reuses its
+  cache), /health and /metrics speak for both replicas;
+- dp=2 with tp=2 inside each replica, a rank of one replica SIGKILLed under load: the
+  other replica's requests all complete, the dead replica's streams get `unavailable`
+  within the failure timeout, new requests are served, /health says degraded (200), the
+  dead replica leaves no process behind, and SIGTERM then stops the rest cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from meshserve.client import Client, MeshserveError
+from support.reference import hf_greedy
+from support.server import MeshserveProcess, free_port, http_url
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello."]
+FAILURE_TIMEOUT = 4.0
+
+
+def _serve(tmp_path: Path, name: str, *sets: str) -> tuple[MeshserveProcess, str, str]:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq={address}",
+                               "--set", "server.http=127.0.0.1:0", "--set", "model.max_model_len=512",
+                               *[a for s in sets for a in ("--set", s)]], tmp_path, name=name)
+    line = server.wait_ready(300)
+    return server, address, http_url(line, address)
+
+
+def chat_ids(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _samples(text: str, name: str) -> dict[tuple, float]:
+    """{(label=value, ...): value} of metric `name` in a /metrics text."""
+    out = {}
+    for labels, value in re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", text, re.M):
+        out[tuple(sorted(labels.split(",")))] = float(value)
+    return out
+
+
+@pytest.mark.slow
+def test_two_replicas_serve_transformers_tokens_and_keep_a_conversation_on_its_replica(tmp_path, smollm2_reference):
+    from support.checkpoints import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    server, address, url = _serve(tmp_path, "dp2", "parallel.data=2")
+    try:
+        log = server.tail(1 << 20)
+        assert "replicas=2" in server.wait_ready()
+        for r in (0, 1):  # each replica on a core of its own, one thread
+            assert re.search(rf"replica {r} \| .*rank 0: 1 intra-op thread, cores {r}\b", log), log[-3000:]
+        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        prompts = [chat_ids(tok, c) for c in chats]
+        results: dict[int, list[int]] = {}
+
+        def ask(i):
+            with Client(address, timeout=120) as client:
+                results[i] = client.generate(prompts[i], max_tokens=12, temperature=0).token_ids
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        for i, prompt in enumerate(prompts):
+            want = hf_greedy(smollm2_reference, prompt, 12)
+            cut = want.index(2) + 1 if 2 in want else len(want)
+            assert results[i] == want[:cut], QUESTIONS[i]
+
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = api.models.list().data[0].id
+        history = [{"role": "user", "content": "Write one sentence about the sea."}]
+        first = api.chat.completions.create(model=model, messages=history, max_tokens=24, temperature=0)
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "Now one about mountains."}]
+        second = api.chat.completions.create(model=model, messages=history, max_tokens=12, temperature=0)
+        want = hf_greedy(smollm2_reference, chat_ids(tok, history), 12)
+        cut = want.index(2) if 2 in want else len(want)
+        assert second.choices[0].message.content == tok.decode(want[:cut], skip_special_tokens=True)
+        assert second.usage.prompt_tokens_details.cached_tokens >= 16  # its first turn's blocks, on that replica
+
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        routed = _samples(metrics, "meshserve_router_requests_total")
+        by_replica = {r: sum(v for k, v in routed.items() if f'replica="{r}"' in k) for r in "01"}
+        assert by_replica["0"] >= 1 and by_replica["1"] >= 1 and sum(by_replica.values()) == len(prompts) + 2, routed
+        assert sum(v for k, v in routed.items() if 'reason="history"' in k) == 1, routed
+        up = _samples(metrics, "meshserve_replica_up")
+        assert up == {('replica="0"',): 1.0, ('replica="1"',): 1.0}, up
+        # the replicas' own metrics, labelled
+        tokens = _samples(metrics, "meshserve_generation_tokens_total")
+        assert {k for k in tokens if any('replica="' in label for label in k)}, metrics[:3000]
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok", "replicas": {"total": 2, "serving": 2, "down": []}}
+        assert server.stop() == 0, server.tail()
+        assert not server.group_alive() and not server.descendants()
+    finally:
+        server.kill()
+
+
+def _replica_rank_pids(server: MeshserveProcess) -> dict[tuple[int, int], int]:
+    """(replica, rank within it) -> pid, read from the ranks' environment."""
+    pids = {}
+    for pid in server.descendants():
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+        if b"RANK" in env and b"LOCAL_RANK" in env and b"MESHSERVE_REPLICA" in env:
+            pids[int(env[b"MESHSERVE_REPLICA"]), int(env[b"RANK"])] = pid
+    return pids
+
+
+def _replica_process(server: MeshserveProcess, replica: int) -> int:
+    """The pid of replica `replica`'s own `meshserve serve` (its elastic agent)."""
+    for pid in server.descendants():
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+        if env.get(b"MESHSERVE_REPLICA") == str(replica).encode() and b"RANK" not in env:
+            return pid
+    raise AssertionError(f"no process of replica {replica}")
+
+
+def _stream(address: str, prompt: list[int], started: threading.Event, outcome: dict) -> None:
+    with Client(address, timeout=120) as client:
+        try:
+            n = 0
+            for delta in client.generate(prompt, stream=True, max_tokens=400, ignore_eos=True, temperature=0):
+                n += len(delta.token_ids)
+                started.set()
+            outcome["tokens"] = n
+        except MeshserveError as e:
+            outcome["error"] = (e.code, str(e), time.monotonic())
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny_checkpoints):
+    server, address, url = _serve(tmp_path, "dp2-kill", f"model.path={tiny_checkpoints['llama']}", "parallel.data=2",
+                                  "parallel.tensor=2", "cache.memory=16MiB",
+                                  f"cluster.failure_timeout={FAILURE_TIMEOUT}", "cluster.heartbeat_interval=0.5")
+    try:
+        pids = _replica_rank_pids(server)
+        assert set(pids) == {(0, 0), (0, 1), (1, 0), (1, 1)}, pids
+        outcomes = [{} for _ in range(6)]
+        started = [threading.Event() for _ in outcomes]
+        threads = [threading.Thread(target=_stream, args=(address, list(range(100 + i, 120 + i)), s, o), daemon=True)
+                   for i, (s, o) in enumerate(zip(started, outcomes))]
+        for t in threads:
+            t.start()
+        assert all(s.wait(60) for s in started), "not every stream started"
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert _samples(metrics, "meshserve_replica_requests") == {('replica="0"',): 3.0, ('replica="1"',): 3.0}
+        killed_at = time.monotonic()
+        replica1 = [pid for (r, _), pid in pids.items() if r == 1] + [_replica_process(server, 1)]
+        os.kill(pids[1, 1], signal.SIGKILL)
+        with Client(address, timeout=120) as client:  # served meanwhile, whichever replica it meets
+            late = [client.generate(list(range(200 + i, 210 + i)), max_tokens=8, temperature=0) for i in range(4)]
+        assert all(len(c.token_ids) == 8 for c in late)
+        for t in threads:
+            t.join(FAILURE_TIMEOUT + 120)
+        errors = [o["error"] for o in outcomes if "error" in o]
+        done = [o["tokens"] for o in outcomes if "tokens" in o]
+        assert len(errors) == 3 and done == [400] * 3, outcomes
+        for code, message, at in errors:
+            assert code == "unavailable" and "] replica 1: " in message, message
+            assert at - killed_at < FAILURE_TIMEOUT + 10, f"the error took {at - killed_at:.1f} s"
+        deadline = time.monotonic() + 15
+        while _alive(replica1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(replica1), "a rank of the failed replica outlived it"
+        while (health := httpx.get(f"{url}/health", timeout=5)).json()["status"] == "ok":
+            assert time.monotonic() - killed_at < FAILURE_TIMEOUT + 10, "/health still says ok"
+            time.sleep(0.2)
+        assert health.status_code == 200, health.text
+        body = health.json()
+        assert body["status"] == "degraded" and body["replicas"]["serving"] == 1
+        assert [d["replica"] for d in body["replicas"]["down"]] == [1]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert _samples(metrics, "meshserve_replica_up") == {('replica="0"',): 1.0, ('replica="1"',): 0.0}
+        assert "rank 1 died first (killed by SIGKILL)" in server.tail(1 << 20)
+        assert server.stop() == 0, server.tail()
+        assert not server.group_alive() and not _alive(pids.values())
+    finally:
+        server.kill()
