@@ -73,6 +73,8 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     if nodes > 1 and (node_rank is None or not 0 <= node_rank < nodes):
         raise StartupError(f"cluster.nodes={nodes}: start `meshserve serve CONFIG --node-rank K` on each node, "
                            f"K = 0 .. {nodes - 1} (node 0 runs the front door)")
+    if nodes == 1 and node_rank not in (None, 0):
+        raise StartupError(f"--node-rank {node_rank}: the config has cluster.nodes=1 (node rank 0 only)")
     if nodes > 1 and node_rank > 0:
         return serve_node(config, argv, node_rank, drain_timeout)
     registry = ReplicaRegistry(config, host=True) if nodes > 1 else None

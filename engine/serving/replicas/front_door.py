@@ -158,8 +158,9 @@ class FrontDoor:
                         self._on_reply(link.index, reply)
             for cmd in self.inbox.take_all():
                 if isinstance(cmd, ReplicaDown):
-                    poller.unregister(self.links[cmd.replica].socket)
-                    failed = self._on_down(cmd) or failed
+                    if cmd.replica not in self.down:  # reported once, by its process or its node
+                        poller.unregister(self.links[cmd.replica].socket)
+                        failed = self._on_down(cmd) or failed
                 else:
                     self._on_command(cmd)
         for p in list(self._pending.values()):
@@ -168,6 +169,10 @@ class FrontDoor:
 
     def _on_command(self, cmd) -> None:
         if isinstance(cmd, AddCommand):
+            if cmd.key in self._link_ids:  # as the engine answers a client reusing a running id
+                self.frontends[cmd.key.frontend].send(cmd.key, ErrorReply(
+                    cmd.request_id, "duplicate_id", f"request_id {cmd.request_id!r} is already running"))
+                return
             self._send(_Pending(cmd, -1))
         elif isinstance(cmd, AbortCommand):
             link_id = self._link_ids.get(cmd.key)
