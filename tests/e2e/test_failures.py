@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from meshserve.client import AsyncClient, Client, MeshserveError
-from support.server import MeshserveProcess, free_port
+from support.server import MeshserveProcess, alive, free_port, process_env
 
 FAILURE_TIMEOUT = 4.0
 PROMPT = list(range(100, 120))
@@ -45,26 +45,10 @@ def _rank_pids(server: MeshserveProcess) -> dict[int, int]:
     """Global rank -> pid of the serve command's rank processes (read from their environment)."""
     pids = {}
     for pid in server.descendants():
-        try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        if b"RANK" in env and b"LOCAL_RANK" in env:
+        env = process_env(pid)
+        if env is not None and b"RANK" in env and b"LOCAL_RANK" in env:
             pids[int(env[b"RANK"])] = pid
     return pids
-
-
-def _alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
 
 
 def _watch_health(url: str, seen: list[int], stop: threading.Event) -> None:
@@ -132,9 +116,9 @@ def test_rank_killed_during_decode_fails_requests_and_exits(tmp_path, tiny_check
         log = server.tail(20000)
         assert "rank 1 died first (killed by SIGKILL)" in log, log
         deadline = time.monotonic() + 10
-        while _alive(pids.values()) and time.monotonic() < deadline:
+        while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(pids.values()), "a rank outlived the serve command"
+        assert not alive(pids.values()), "a rank outlived the serve command"
         assert not server.group_alive()
         assert _shm_segments() <= shm_before, "a shared-memory segment leaked"
     finally:
@@ -154,9 +138,9 @@ def test_driver_killed_while_idle_takes_the_other_ranks_down(tmp_path, tiny_chec
         assert "rank 0 died first (killed by SIGKILL)" in server.tail(20000)
         assert not os.path.exists(found.group(1)), "rank 1 removes the dead driver's socket directory"
         deadline = time.monotonic() + 10
-        while _alive(pids.values()) and time.monotonic() < deadline:
+        while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(pids.values()), "rank 1 outlived the driver"
+        assert not alive(pids.values()), "rank 1 outlived the driver"
     finally:
         server.kill()
 
@@ -173,9 +157,9 @@ def test_a_stopped_rank_is_named_as_the_one_that_hung(tmp_path, tiny_checkpoints
         os.kill(pids[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         deadline = stopped_at + FAILURE_TIMEOUT + 30
-        while _alive([pids[0]]) and time.monotonic() < deadline:
+        while alive([pids[0]]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive([pids[0]]), "the driver did not give up on the stopped rank"
+        assert not alive([pids[0]]), "the driver did not give up on the stopped rank"
         assert time.monotonic() - stopped_at > FAILURE_TIMEOUT - 1
         os.kill(pids[1], signal.SIGCONT)  # it reads the driver's Abort and exits
         assert server.proc.wait(60) == 1
@@ -184,9 +168,9 @@ def test_a_stopped_rank_is_named_as_the_one_that_hung(tmp_path, tiny_checkpoints
                 f"exited: exit code 1); failed: rank 0 (exit code 1)") in log, log[-3000:]
         assert "died first" not in log
         deadline = time.monotonic() + 10
-        while _alive(pids.values()) and time.monotonic() < deadline:
+        while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(pids.values())
+        assert not alive(pids.values())
     finally:
         for pid in pids.values():
             try:
@@ -214,7 +198,7 @@ def test_sigterm_at_tp2_finishes_requests_in_flight_and_exits_0(tmp_path, tiny_c
         assert [c.finish_reason for c in done] == ["length"] * 4
         assert all(len(c.token_ids) == 200 for c in done)
         assert server.proc.wait(60) == 0, server.tail()
-        assert not _alive(pids.values()) and not server.group_alive()
+        assert not alive(pids.values()) and not server.group_alive()
     finally:
         server.kill()
 

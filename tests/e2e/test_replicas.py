@@ -24,7 +24,7 @@ import pytest
 
 from meshserve.client import Client, MeshserveError
 from support.reference import hf_greedy
-from support.server import MeshserveProcess, free_port, http_url
+from support.server import MeshserveProcess, alive, free_port, http_url, process_env
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello."]
 FAILURE_TIMEOUT = 4.0
@@ -116,12 +116,8 @@ def _replica_rank_pids(server: MeshserveProcess) -> dict[tuple[int, int], int]:
     """(replica, rank within it) -> pid, read from the ranks' environment."""
     pids = {}
     for pid in server.descendants():
-        try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        if b"RANK" in env and b"LOCAL_RANK" in env and b"MESHSERVE_REPLICA" in env:
+        env = process_env(pid)
+        if env is not None and b"RANK" in env and b"LOCAL_RANK" in env and b"MESHSERVE_REPLICA" in env:
             pids[int(env[b"MESHSERVE_REPLICA"]), int(env[b"RANK"])] = pid
     return pids
 
@@ -129,12 +125,8 @@ def _replica_rank_pids(server: MeshserveProcess) -> dict[tuple[int, int], int]:
 def _replica_process(server: MeshserveProcess, replica: int) -> int:
     """The pid of replica `replica`'s own `meshserve serve` (its elastic agent)."""
     for pid in server.descendants():
-        try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        if env.get(b"MESHSERVE_REPLICA") == str(replica).encode() and b"RANK" not in env:
+        env = process_env(pid)
+        if env is not None and env.get(b"MESHSERVE_REPLICA") == str(replica).encode() and b"RANK" not in env:
             return pid
     raise AssertionError(f"no process of replica {replica}")
 
@@ -149,18 +141,6 @@ def _stream(address: str, prompt: list[int], started: threading.Event, outcome: 
             outcome["tokens"] = n
         except MeshserveError as e:
             outcome["error"] = (e.code, str(e), time.monotonic())
-
-
-def _alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
 
 
 @pytest.mark.slow
@@ -195,9 +175,9 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
             assert code == "unavailable" and "] replica 1: " in message, message
             assert at - killed_at < FAILURE_TIMEOUT + 10, f"the error took {at - killed_at:.1f} s"
         deadline = time.monotonic() + 15
-        while _alive(replica1) and time.monotonic() < deadline:
+        while alive(replica1) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(replica1), "a rank of the failed replica outlived it"
+        assert not alive(replica1), "a rank of the failed replica outlived it"
         while (health := httpx.get(f"{url}/health", timeout=5)).json()["status"] == "ok":
             assert time.monotonic() - killed_at < FAILURE_TIMEOUT + 10, "/health still says ok"
             time.sleep(0.2)
@@ -209,6 +189,6 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
         assert _samples(metrics, "meshserve_replica_up") == {('replica="0"',): 1.0, ('replica="1"',): 0.0}
         assert "rank 1 died first (killed by SIGKILL)" in server.tail(1 << 20)
         assert server.stop() == 0, server.tail()
-        assert not server.group_alive() and not _alive(pids.values())
+        assert not server.group_alive() and not alive(pids.values())
     finally:
         server.kill()

@@ -99,3 +99,25 @@ class MeshserveProcess:
                 found.append(child)
                 todo.append(child)
         return found
+
+
+def process_env(pid: int) -> dict[bytes, bytes] | None:
+    """Process `pid`'s environment (None once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def alive(pids) -> list[int]:
+    """Those of `pids` still running (not gone, not zombies)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
