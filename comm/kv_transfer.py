@@ -72,9 +72,20 @@ class TorchKvTransport:
         self._groups.clear()
 
 
-def layer_tag(transfer: int, layer: int, num_layers: int) -> int:
-    """The tag of `transfer`'s message for `layer` (gloo tags are 32-bit here)."""
-    return (transfer * num_layers + layer) % (1 << 31)
+BLOCKS_PER_MESSAGE = 16
+"""A transfer's blocks go in messages of up to this many per layer: the first are sent while
+a long prompt's later chunks still compute."""
+
+
+def layer_tag(transfer: int, layer: int, num_layers: int, message: int = 0, max_messages: int = 1) -> int:
+    """The tag of `transfer`'s `message` for `layer` (gloo tags are 32-bit here)."""
+    return ((transfer * max_messages + message) * num_layers + layer) % (1 << 31)
+
+
+def message_spans(first_block: int, num_blocks: int) -> list[tuple[int, int]]:
+    """The [start, end) block indexes (in the sequence's block table) of each message."""
+    end = first_block + num_blocks
+    return [(b, min(b + BLOCKS_PER_MESSAGE, end)) for b in range(first_block, end, BLOCKS_PER_MESSAGE)]
 
 
 def gather_blocks(cache: tuple[torch.Tensor, torch.Tensor], block_ids: list[int]) -> torch.Tensor:

@@ -119,6 +119,30 @@ class Constraint(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=
 # ---------------------------------------------------------------- client protocol
 
 
+class KvHandoff(Struct, frozen=True, forbid_unknown_fields=True):
+    """A request served by two replicas (disaggregated prefill/decode, from the front door).
+    `decode`: reserve the prompt's blocks, receive their KV from replica `peer`'s ranks, and
+    answer KvReserved; decode once KvReady comes. `prefill`: compute the prompt, send its KV
+    from block `first_block` on to replica `peer`'s ranks as layers finish, sample the first
+    token and answer PrefillDone."""
+
+    transfer: Annotated[int, Meta(ge=0, lt=1 << 31)]
+    """Unique in the deployment: tags the KV messages of this request."""
+    peer: Annotated[int, Meta(ge=0)]
+    role: Literal["prefill", "decode"]
+    first_block: Annotated[int, Meta(ge=0)] = 0
+    """`prefill`: the leading blocks the decode replica's prefix cache holds (not sent)."""
+
+
+class KvReady(Struct, tag="kv_ready", frozen=True, forbid_unknown_fields=True):
+    """To the decode replica: the prefill replica sent the request's KV; `token_id` is the
+    first output token (and its logprob, if asked for)."""
+
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    token_id: TokenId
+    logprob: TokenLogprob | None = None
+
+
 class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
     prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
@@ -132,13 +156,15 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     """Constrain the output (engine/structured.py)."""
     constraint: Constraint | None = None
     """Constrain the output, in the resolved form (not with structured_outputs)."""
+    handoff: KvHandoff | None = None
+    """Disaggregated prefill/decode: this replica's part of the request (the front door sets it)."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
 
 
-ClientMessage = Union[GenerateRequest, AbortRequest]
+ClientMessage = Union[GenerateRequest, AbortRequest, KvReady]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -214,7 +240,23 @@ class ErrorReply(Struct, tag="error", frozen=True):
     message: str
 
 
-ServerMessage = Union[Delta, ErrorReply]
+class KvReserved(Struct, tag="kv_reserved", frozen=True):
+    """From a decode replica: the request's blocks are reserved and their receives posted;
+    its prefix cache held the first `cached_tokens` of the prompt (whole blocks)."""
+
+    request_id: str
+    cached_tokens: int
+
+
+class PrefillDone(Struct, tag="prefill_done", frozen=True):
+    """From a prefill replica: the prompt is computed and its KV sent; the first token."""
+
+    request_id: str
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+ServerMessage = Union[Delta, ErrorReply, KvReserved, PrefillDone]
 
 # ---------------------------------------------------------------- control plane
 
@@ -267,6 +309,35 @@ class TokenMasks(Struct, array_like=True, frozen=True):
     rows: list[int] = []
 
 
+class KvTransfer(Struct, array_like=True, frozen=True):
+    """One request's KV between two replicas' ranks (comm/kv_transfer.py): blocks
+    `first_block` .. `first_block + num_blocks - 1` of the prompt, in messages of up to
+    BLOCKS_PER_MESSAGE blocks per layer."""
+
+    transfer: int
+    peer: int
+    """The other replica."""
+    first_block: int
+    num_blocks: int
+    block_ids: list[int] = []
+    """Receiving: where the blocks land (this replica's ids)."""
+    seq_id: int = -1
+    """Sending: the sequence whose blocks are sent as its prefill computes them."""
+
+
+class KvOps(Struct, array_like=True, frozen=True):
+    receive: list[KvTransfer] = []
+    """Post the receives of these transfers."""
+    send: list[KvTransfer] = []
+    """Send these sequences' blocks as each layer computes them, in this step and later ones."""
+    land: list[int] = []
+    """Before the step: wait for these transfers (every rank agrees whether each arrived
+    whole) and copy them into their blocks."""
+    end: list[KvTransfer] = []
+    """Forget these transfers: receives are left to arrive in their staging buffers; the
+    messages not sent yet are sent as zeros, so the peer's receives complete."""
+
+
 class StepPlan(Struct, frozen=True, tag="plan"):
     """One engine step. Batch order: `running`, then `new`. `dropped` lists sequences the
     ranks should forget (finished, aborted or preempted) before running this step."""
@@ -277,6 +348,8 @@ class StepPlan(Struct, frozen=True, tag="plan"):
     dropped: list[int]
     masks: TokenMasks | None = None
     """Grammar masks of the constrained sequences this step samples (None: none is)."""
+    kv: KvOps | None = None
+    """Disaggregated prefill/decode: the KV transfers this step starts, lands or ends."""
 
     @property
     def num_seqs(self) -> int:

@@ -287,6 +287,31 @@ class RouterConfig(Section):
     another replica (else, as those that had output, it gets an `unavailable` error)."""
 
 
+class DisaggregationConfig(Section):
+    """Disaggregated prefill/decode (parallel.data > 1): the first `prefill_replicas`
+    replicas only compute prompts, the others only decode. A request's prompt is computed on
+    a prefill replica, whose ranks send its KV blocks, layer by layer as they are written,
+    to the decode replica's ranks over torch.distributed (comm/kv_transfer.py); the decode
+    replica never runs a prefill chunk, so its streams' token times do not jump when long
+    prompts arrive."""
+
+    prefill_replicas: int = Field(0, ge=0)
+    """0: off (every replica serves whole requests)."""
+    transfer_timeout: PositiveFloat = 30.0
+    """Seconds a decode replica waits, once the prefill replica reports its KV sent, for all
+    of it to arrive; past it, that request fails (alone) with an `unavailable` error."""
+    replica: int | None = Field(None, ge=0)
+    """Set by the front door for each replica it starts: which one it is ..."""
+    replicas: int | None = Field(None, ge=1)
+    """... of how many (parallel.data of the deployment; a replica's own config says 1)."""
+    store: str | None = None
+    """Set by the front door: host:port of the key-value store where replicas' ranks meet."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_replicas > 0
+
+
 class ClusterConfig(Section):
     """Where the ranks run: how many nodes, how many ranks on each, and how they find each
     other. One node by default; the launcher (`meshserve serve`, torchrun, mpirun, deepspeed)
@@ -341,6 +366,7 @@ class Config(Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
     @property
     def world_size(self) -> int:

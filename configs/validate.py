@@ -222,6 +222,25 @@ def speculative_problems(config: Config, info: ModelInfo) -> list[str]:
     return problems
 
 
+def disaggregation_problems(config: Config) -> list[str]:
+    d, p = config.disaggregation, config.parallel
+    if not d.enabled:
+        return []
+    problems = []
+    replicas = d.replicas or p.data
+    if d.prefill_replicas >= replicas:
+        problems.append(f"disaggregation.prefill_replicas={d.prefill_replicas} leaves no decode replica of "
+                        f"parallel.data={replicas} (at most {replicas - 1})")
+    if p.context > 1:
+        problems.append(f"disaggregation.prefill_replicas={d.prefill_replicas} with parallel.context={p.context}: "
+                        f"KV transfer sends whole blocks of one rank, and context parallelism spreads a sequence's "
+                        f"blocks over ranks")
+    if config.speculative.method == "draft":
+        problems.append("disaggregation with speculative.method=draft: the draft model's own cache would need the "
+                        "prompt too (use speculative.method=ngram)")
+    return problems
+
+
 def check_config(config: Config, source: str = "<builtin default>", info: ModelInfo | None = None) -> ModelInfo:
     """Validate `config` against the model it names; returns the model's facts."""
     try:
@@ -272,6 +291,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
     problems += quantization_problems(config, info)
     problems += kv_cache_problems(config)
     problems += speculative_problems(config, info)
+    problems += disaggregation_problems(config)
     if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "

@@ -119,8 +119,10 @@ class BlockManager:
         revived = sum(1 for b in cached if self._refs[b] == 0)  # taken out of the evictable queue
         return need <= self.num_free - revived
 
-    def admit(self, seq: Sequence, cached: list[int], num_new: int) -> None:
-        """Give `seq` the blocks `cached` (its computed prefix) and room for `num_new` more."""
+    def admit(self, seq: Sequence, cached: list[int], num_new: int, register: bool = True) -> None:
+        """Give `seq` the blocks `cached` (its computed prefix) and room for `num_new` more.
+        `register=False`: the new blocks join the prefix cache only once `register` says
+        their KV is there (it arrives from another replica, not from a step)."""
         assert not seq.block_ids and seq.num_computed == 0, f"seq {seq.seq_id} already holds blocks"
         for b in cached:
             if self._refs[b] == 0:
@@ -133,7 +135,7 @@ class BlockManager:
         if self.prefix_caching:
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed
-        self.grow(seq, num_new)
+        self.grow(seq, num_new, register)
 
     def _register(self, seq: Sequence, upto: int) -> None:
         """Put `seq`'s full blocks among its first `upto` tokens (those computed once the step
@@ -149,6 +151,11 @@ class BlockManager:
                 self._block_of[hashes[i]] = block
                 self._hash_of[block] = hashes[i]
         seq.num_registered = full * self.unit
+
+    def register(self, seq: Sequence) -> None:
+        """Offer `seq`'s full computed blocks to the prefix cache (after `admit(register=False)`)."""
+        if self.prefix_caching:
+            self._register(seq, seq.num_computed)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block; returns how many. Safe while requests run: the blocks
@@ -182,12 +189,12 @@ class BlockManager:
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
         return self.extra_blocks(seq, num_new) <= self.num_free
 
-    def grow(self, seq: Sequence, num_new: int) -> None:
+    def grow(self, seq: Sequence, num_new: int, register: bool = True) -> None:
         n = self.extra_blocks(seq, num_new)
         if n > self.num_free:
             raise RuntimeError(f"seq {seq.seq_id} needs {n} blocks, {self.num_free} free")
         seq.block_ids.extend(self._take() for _ in range(n))
-        if self.prefix_caching:  # a draft token (speculative decoding) is not known yet: never cached
+        if self.prefix_caching and register:  # a draft token (speculative decoding) is not known yet: never cached
             self._register(seq, min(seq.num_computed + num_new, seq.num_tokens))
 
     def trim(self, seq: Sequence) -> int:

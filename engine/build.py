@@ -8,15 +8,20 @@ launcher, offline generation, the scripts and the tests all call these.
 
 from __future__ import annotations
 
-import torch
+import datetime
 
-from meshserve.configs.memory import MemoryPlan, plan_memory, stage_layers
+import torch
+import torch.distributed as dist
+
+from meshserve.comm.kv_transfer import TorchKvTransport
+from meshserve.configs.memory import MemoryPlan, plan_memory, stage_layer_range, stage_layers
 from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.schema import Config
 from meshserve.configs.validate import draft_config
 from meshserve.engine.calibration import calibration_ids
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import Executor, LocalExecutor
+from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.speculative.draft_model import DraftModelProposer
 from meshserve.engine.speculative.policy import DraftPolicy
@@ -24,6 +29,10 @@ from meshserve.engine.speculative.proposer import NgramProposer
 from meshserve.engine.speculative.speculator import Speculator
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.parallel.topology import Groups
+
+KV_PAIR_TIMEOUT_S = 7 * 24 * 3600.0
+"""A KV pair group's own timeout: a receive waits as long as its prefill may take (and ends
+when the peer's process does); the decode replica's landing has its own deadline."""
 
 
 def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str,
@@ -41,7 +50,42 @@ def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: 
     """The driver's engine over `executor` (the ranks, or this process alone)."""
     return Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
                   micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context,
-                  prefix_caching=config.cache.prefix_caching, speculator=build_speculator(config, info, memory))
+                  prefix_caching=config.cache.prefix_caching, speculator=build_speculator(config, info, memory),
+                  role=replica_role(config))
+
+
+def replica_role(config: Config) -> str | None:
+    """This replica's role in disaggregated prefill/decode ("prefill" or "decode"), or None."""
+    d = config.disaggregation
+    if not d.enabled or d.replica is None:
+        return None
+    return "prefill" if d.replica < d.prefill_replicas else "decode"
+
+
+def attach_kv_transfer(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Groups, runner: ModelRunner) -> None:
+    """Disaggregated prefill/decode: connect this rank to the ranks with its place in every
+    replica of the other role (each pair a torch.distributed group of its own, met through
+    the front door's store), and give the runner its KvAgent. Pairs connect in one global
+    order (prefill replica, then decode replica), so no two ranks wait on each other."""
+    role = replica_role(config)
+    if role is None:
+        return
+    d = config.disaggregation
+    host, port = d.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=config.cluster.rendezvous_timeout))
+
+    def name(replica: int) -> str:
+        return f"replica{replica}/rank{groups.global_rank}"
+
+    transport = TorchKvTransport(name(d.replica), store, timeout_s=KV_PAIR_TIMEOUT_S)
+    peers = range(d.prefill_replicas, d.replicas) if role == "prefill" else range(d.prefill_replicas)
+    for peer in peers:
+        transport.connect(name(peer))
+    counts = stage_layers(config, info)
+    runner.kv = KvAgent(transport, name, runner.kv_caches, stage_layer_range(counts, groups.pp.rank)[0],
+                        info.num_hidden_layers, memory.block_size, -(-memory.max_model_len // memory.block_size),
+                        runner.device, groups.world_size, d.transfer_timeout)
 
 
 def build_speculator(config: Config, info: ModelInfo, memory: MemoryPlan) -> Speculator | None:

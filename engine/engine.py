@@ -12,11 +12,13 @@ from typing import Any, Hashable, Protocol
 
 import msgspec
 
-from meshserve.comm.messages import Delta, NewSeq, PromptLogprobs, SamplingParams, encoder
+from meshserve.comm.messages import (Delta, ErrorReply, KvHandoff, NewSeq, PrefillDone, PromptLogprobs, SamplingParams,
+                                     TokenLogprob, encoder)
 from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.schema import SchedulerConfig
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.executor import Executor
+from meshserve.engine.handoff import Handoffs
 from meshserve.engine.output import OutputProcessor, RequestState
 from meshserve.engine.plan import PlanBuilder
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -71,13 +73,15 @@ class InFlight:
 class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
                  vocab_size: int, micro_batches: int = 1, cp_size: int = 1, prefix_caching: bool = False,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, role: str | None = None):
         """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
         takes its share of the sequences, and no sequence is in two at once
         (meshserve.parallel.pipeline). `cp_size`: ranks a sequence's tokens are split
         over (context parallelism). `prefix_caching`: requests reuse the KV blocks of
         prefixes already computed (meshserve.engine.block_manager). `speculator`: drafts
-        tokens for the decoding sequences, which each step verifies (meshserve.engine.speculative)."""
+        tokens for the decoding sequences, which each step verifies (meshserve.engine.speculative).
+        `role`: this replica's in disaggregated prefill/decode ("prefill" or "decode";
+        meshserve.engine.handoff), None without it."""
         self.speculator = speculator
         self.executor = executor
         self._in_flight: MicroBatches[InFlight] = MicroBatches(micro_batches)
@@ -91,6 +95,9 @@ class Engine:
         self.scheduler = Scheduler(blocks,
                                    scheduler.max_num_seqs, scheduler.max_batched_tokens)
         self.plans = PlanBuilder()
+        self.handoffs = Handoffs(role, memory.block_size)
+        self._events: list[tuple[Hashable, object]] = []
+        """Replies that come of scheduling rather than of a step's tokens (engine/handoff.py)."""
         self.outputs = OutputProcessor(tokenizer.eos_token_ids, memory.max_model_len)
         self.guided = GuidedDecoding(vocab_size)
         """Matchers of the requests with structured outputs (engine/structured.py)."""
@@ -106,13 +113,19 @@ class Engine:
         return len(self.requests)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._in_flight)
+        return self.scheduler.has_work() or bool(self._in_flight) or self.handoffs.pending() or bool(self._events)
 
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stream: bool = True, cache_salt: str | None = None, grammar: Grammar | None = None) -> None:
+                    stream: bool = True, cache_salt: str | None = None, grammar: Grammar | None = None,
+                    handoff: KvHandoff | None = None) -> None:
         """Queue a validated request. `key` is unique among live requests. `cache_salt`: the
         request shares cached KV blocks only with requests of the same salt. `grammar`: the
-        compiled constraint its output follows (engine/structured.py)."""
+        compiled constraint its output follows (engine/structured.py). `handoff`: this
+        replica's part of a request two replicas serve (engine/handoff.py)."""
+        self.handoffs.check(handoff)
+        if handoff is not None and params.prompt_logprobs is not None:
+            raise RequestError("bad_request", "prompt_logprobs is not available with disaggregated prefill/decode",
+                               "prompt_logprobs")
         if key in self.requests:
             raise RequestError("duplicate_id", f"request_id {request_id!r} is already running")
         if params.prompt_logprobs is not None and self.cp_size > 1:
@@ -124,7 +137,7 @@ class Engine:
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
             raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
         seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, handoff=handoff)
         self._next_seq_id += 1
         if grammar is not None:
             self.guided.add(seq.seq_id, grammar)
@@ -144,12 +157,26 @@ class Engine:
         self._finish(state)
         return delta
 
-    def step(self) -> list[tuple[Hashable, Delta]]:
+    def kv_ready(self, key: Hashable, token_id: int, logprob: TokenLogprob | None) -> ErrorReply | None:
+        """Disaggregated decode: the prefill replica sent `key`'s KV and sampled `token_id`;
+        the next plan lands it. An error reply if the request is not waiting for its KV."""
+        state = self.requests.get(key)
+        if state is None:
+            return None  # aborted meanwhile
+        seq = state.seq
+        if seq.handoff is None or seq.handoff.role != "decode" or seq.handoff.transfer in self.handoffs.landing:
+            return ErrorReply(state.request_id, "bad_request", f"request {state.request_id!r} waits for no KV")
+        if not 0 <= token_id < self.vocab_size:
+            return ErrorReply(state.request_id, "bad_request", f"token {token_id} is not in the vocabulary")
+        self.handoffs.ready(seq, token_id, logprob)
+        return None
+
+    def step(self) -> list[tuple[Hashable, object]]:
         """Fill the free micro-batch slots, then finish the oldest step in flight."""
         start = time.perf_counter()
         self._fill()
         if not self._in_flight:
-            return []
+            return self._take_events()
         done = self._in_flight.pop()
         result = self.executor.wait(done.handle)
         executed = time.perf_counter()
@@ -158,7 +185,7 @@ class Engine:
         logprobs = {seq_id: lps for seq_id, _, lps in per_seq if lps is not None}
         for run in result.prompt_logprobs or ():
             self._add_prompt_logprobs(run)
-        out: list[tuple[Hashable, Delta]] = []
+        out: list[tuple[Hashable, object]] = self._take_events()
         context_lens = [s.num_computed + n for s, n in zip(done.batch.seqs, done.batch.num_new)]
         drafted = {s.seq_id: len(s.draft) for s in done.batch.seqs if s.draft}
         for seq, tokens in self.scheduler.update(done.batch, sampled):
@@ -166,7 +193,13 @@ class Engine:
                 self.speculator.verified(seq, drafted[seq.seq_id], len(tokens) - 1)
                 if self.observer is not None:
                     self.observer.on_verified(seq, drafted[seq.seq_id], len(tokens) - 1)
-            delta = self._append(self._by_seq[seq.seq_id], tokens, logprobs.get(seq.seq_id))
+            state = self._by_seq[seq.seq_id]
+            if seq.handoff is not None and seq.handoff.role == "prefill":
+                lps = logprobs.get(seq.seq_id)
+                out.append((seq.key, PrefillDone(state.request_id, tokens[0], lps[0] if lps else None)))
+                self._finish(state)
+                continue
+            delta = self._append(state, tokens, logprobs.get(seq.seq_id))
             if delta is not None:
                 out.append((seq.key, delta))
         end = time.perf_counter()
@@ -221,15 +254,52 @@ class Engine:
             for seq in drafting:
                 if seq.draft and seq.seq_id not in scheduled:
                     seq.draft = []  # not scheduled this step: propose afresh for the next
-            if not len(batch):  # no plan: the dropped ids wait for the next one
+            for seq in batch.reserved:
+                self._events.append((seq.key, self.handoffs.reserved(seq, self._by_seq[seq.seq_id].request_id)))
+            for seq in batch.seqs:
+                if seq.handoff is not None and seq.handoff.role == "prefill":
+                    self.handoffs.scheduled(seq)
+            if not len(batch) and not self.handoffs.pending():  # no plan: the dropped ids wait for the next one
                 return
             masks = None
             if self.guided:  # the constrained sequences this step samples: all known tokens computed
                 sampled = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n - len(s.draft) == s.num_tokens]
                 masks = self.guided.masks([s.seq_id for s in sampled], [s.draft for s in sampled])
-            plan = self.plans.build(batch, masks)
+            plan = self.plans.build(batch, masks, self.handoffs.take())
             self.stats.schedule_seconds += time.perf_counter() - started
             self._in_flight.push(InFlight(batch, self.executor.submit(plan)), (s.seq_id for s in batch.seqs))
+            if plan.kv is not None and plan.kv.land:
+                self._land(plan.kv.land)
+            if not len(batch):
+                return
+
+    def _land(self, transfers: list[int]) -> None:
+        """After submitting a plan that landed `transfers` (the ranks agreed on each before
+        the step ran): start each sequence whose KV arrived whole, from its first token;
+        fail the others."""
+        outcome = self.executor.landed()
+        for transfer in transfers:
+            landing = self.handoffs.landing.pop(transfer, None)
+            if landing is None:
+                continue
+            seq = landing.seq
+            state = self._by_seq[seq.seq_id]
+            if outcome.get(transfer):
+                self.handoffs.landed(transfer)
+                self.scheduler.landed(seq, landing.token_id)
+                delta = self._append(state, [landing.token_id], [landing.logprob] if landing.logprob else None)
+                if delta is not None:
+                    self._events.append((seq.key, delta))
+                continue
+            self._events.append((seq.key, ErrorReply(
+                state.request_id, "unavailable",
+                f"the prompt's KV did not arrive whole from prefill replica {seq.handoff.peer} within "
+                f"disaggregation.transfer_timeout")))
+            self._finish(state)
+
+    def _take_events(self) -> list[tuple[Hashable, object]]:
+        events, self._events = self._events, []
+        return events
 
     def _draft(self, busy: frozenset[int], share: int | None) -> list[Sequence]:
         """Proposals for the running sequences that decode in the coming step (one token to
@@ -248,6 +318,8 @@ class Engine:
 
     def _finish(self, state: RequestState) -> None:
         seq = state.seq
+        if seq.handoff is not None:
+            self.handoffs.ended(seq)
         self.scheduler.finish(seq)
         self.plans.forget(seq)
         del self.requests[seq.key]

@@ -25,6 +25,10 @@ class Executor(Protocol):
     failure: FailureSignal
     """Triggered once the ranks can no longer serve (comm/failure.py)."""
 
+    def landed(self) -> dict[int, bool]:
+        """Disaggregated decode: whether each KV transfer the last submitted plan landed
+        arrived whole (every rank agreed before the step ran)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -44,6 +48,9 @@ class LocalExecutor:
 
     def wait(self, handle: StepResult) -> StepResult:
         return handle
+
+    def landed(self) -> dict[int, bool]:
+        return self.runner.take_landed()
 
     def shutdown(self) -> None:
         pass
@@ -81,6 +88,9 @@ class DistributedExecutor:
                                            tuple(params.logprobs for _, params, _ in sampled),
                                            self.runner.info.vocab_size, tuple(k for _, _, k in sampled)))
         return plan.step_id
+
+    def landed(self) -> dict[int, bool]:
+        return self.runner.take_landed()
 
     def wait(self, handle: StepResult | int) -> StepResult:
         if isinstance(handle, StepResult):

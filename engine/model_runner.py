@@ -15,6 +15,7 @@ from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepRes
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.compiled_decode import CompiledDecode
+from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.speculative.verify import accept
 from meshserve.layers import kv_quant
@@ -118,6 +119,12 @@ class ModelRunner:
         self.mirror = SequenceMirror(groups.cp.rank, groups.cp.size, memory.block_size)
         self.stats = RunnerStats()
         self.ready_rss_bytes = resident_memory()[0]
+        self.kv: KvAgent | None = None
+        """Disaggregated prefill/decode: this rank's KV transfers (engine/kv_agent.py)."""
+
+    def take_landed(self) -> dict[int, bool]:
+        """Whether each transfer the last plan landed arrived whole (KvAgent)."""
+        return self.kv.take_landed() if self.kv is not None else {}
 
     def prepare(self, batch: list[ScheduledChunk]) -> StepInputs:
         """This rank's flat batch of a step the mirror applied: every new token (one rank
@@ -258,6 +265,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Returns the sampled tokens on the sampling rank, None elsewhere."""
         start = time.perf_counter()
+        if plan.kv is not None and self.kv is not None:
+            self.kv.apply(plan.kv)
         batch = self.mirror.apply(plan)
         if not batch:
             return StepResult(plan.step_id, [], []) if self.sampler else None
@@ -268,8 +277,18 @@ class ModelRunner:
         if not pp.is_first:  # (num_tokens, hidden_size): the previous stage's hidden + residual
             received = recv_from_prev_stage((len(inputs.input_ids), self.info.hidden_size), self.dtype,
                                             self.device, pp)
-        forward = self.compiled if self.compiled is not None and self.compiled.applies(inputs.meta) else self.model
-        hidden, residual = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden=received)
+        sending = self.kv is not None and self.kv.due(batch)
+        forward = self.model
+        if self.compiled is not None and not sending and self.compiled.applies(inputs.meta):
+            forward = self.compiled
+        if sending:
+            self.model.model.layer_hook = self.kv.after_layer
+        try:
+            hidden, residual = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden=received)
+        finally:
+            if sending:
+                self.model.model.layer_hook = None
+                self.kv.after_step()
         if not pp.is_last:
             # NOTE: the next stage's first layer adds hidden and residual before its norm; sending
             # the sum is the same arithmetic with half the bytes.

@@ -9,7 +9,7 @@ only rejected drafts used are gone (meshserve.engine.speculative).
 
 from __future__ import annotations
 
-from meshserve.comm.messages import NewSeq, SeqDelta, StepPlan, TokenMasks
+from meshserve.comm.messages import KvOps, NewSeq, SeqDelta, StepPlan, TokenMasks
 from meshserve.engine.scheduler import ScheduledBatch
 from meshserve.engine.sequence import Sequence
 
@@ -25,9 +25,10 @@ class PlanBuilder:
             self._dropped.append(seq.seq_id)
         seq.sent_tokens = seq.sent_blocks = 0
 
-    def build(self, batch: ScheduledBatch, masks: TokenMasks | None = None) -> StepPlan:
+    def build(self, batch: ScheduledBatch, masks: TokenMasks | None = None, kv: KvOps | None = None) -> StepPlan:
         """Call `forget` for the batch's preempted sequences first. `masks`: the grammar masks
-        of the constrained sequences the step samples."""
+        of the constrained sequences the step samples. `kv`: the KV transfers it starts,
+        lands or ends (engine/handoff.py)."""
         running: list[SeqDelta] = []
         new: list[NewSeq] = []
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -39,7 +40,7 @@ class PlanBuilder:
                 new.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len, list(seq.block_ids),
                                   seq.num_computed, n, seq.params, list(seq.draft)))
             seq.sent_tokens, seq.sent_blocks = seq.num_tokens, len(seq.block_ids)
-        plan = StepPlan(self._step_id, running, new, self._dropped, masks)
+        plan = StepPlan(self._step_id, running, new, self._dropped, masks, kv)
         self._step_id += 1
         self._dropped = []
         return plan

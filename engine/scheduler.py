@@ -9,6 +9,11 @@ waiting ones. A waiting sequence starts from the longest prefix of its blocks fo
 prefix cache (meshserve.engine.block_manager), which costs no token budget. When blocks run out, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it returns to the front of the
 waiting queue with its tokens kept, to be prefilled again later.
+
+Disaggregated decode (meshserve.engine.handoff): a request whose prompt another replica
+computes is admitted as any other, in order, but computes nothing: its blocks are reserved
+(those the prefix cache holds reused) and it waits in `receiving`, holding them, until its
+KV has landed; it then runs as a sequence whose prompt is computed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    reserved: list[Sequence] = field(default_factory=list)
+    """Disaggregated decode: sequences whose blocks were reserved this step (none computes)."""
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +48,8 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.receiving: list[Sequence] = []
+        """Disaggregated decode: admitted, their KV on its way from a prefill replica."""
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -82,8 +91,13 @@ class Scheduler:
                 budget -= n
         # Admit only when nothing was preempted: memory is short this step.
         while (not batch.preempted and self.waiting and budget > 0 and len(batch) < cap
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + len(self.receiving) < self.max_num_seqs):
             seq = self.waiting[0]
+            if seq.handoff is not None and seq.handoff.role == "decode" and seq.num_preemptions == 0:
+                if not self._reserve(seq):
+                    break
+                batch.reserved.append(seq)
+                continue
             # a request that asks for prompt logprobs computes its whole prompt: they come from it
             cached = self.blocks.match(seq) if seq.params.prompt_logprobs is None else []
             n = min(seq.num_tokens - len(cached) * self.blocks.unit, budget)
@@ -97,6 +111,29 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
         return batch
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Admit a disaggregated decode sequence into `receiving`: its cached prefix and
+        blocks for the rest of its prompt. False if they do not fit now."""
+        cached = self.blocks.match(seq)
+        n = seq.num_tokens - len(cached) * self.blocks.unit
+        if not self.blocks.can_admit(seq, cached, n):
+            return False
+        self.waiting.popleft()
+        self.blocks.admit(seq, cached, n, register=False)
+        seq.status = SeqStatus.RECEIVING
+        self.receiving.append(seq)
+        return True
+
+    def landed(self, seq: Sequence, first_token: int) -> None:
+        """`seq`'s prompt KV arrived: it runs with its prompt computed and `first_token`
+        (sampled by the prefill replica) to compute next."""
+        self.receiving.remove(seq)
+        self.blocks.computed(seq, seq.num_tokens - seq.num_computed)
+        self.blocks.register(seq)
+        seq.token_ids.append(first_token)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     def _victim(self, busy: frozenset[int], batch: ScheduledBatch) -> Sequence | None:
         """The most recently admitted running sequence that is neither in flight nor
@@ -140,6 +177,8 @@ class Scheduler:
         """Remove `seq` from the queues and free its blocks (finished or aborted)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SeqStatus.RECEIVING:
+            self.receiving.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.release(seq)

@@ -7,12 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from meshserve.comm.messages import SamplingParams
+from meshserve.comm.messages import KvHandoff, SamplingParams
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RECEIVING = "receiving"
+    """Disaggregated decode: its prompt's blocks are reserved and its KV is on its way."""
     FINISHED = "finished"
 
 
@@ -50,6 +52,9 @@ class Sequence:
     """Proposed tokens verified so far."""
     num_accepted_tokens: int = 0
     """Of those, the tokens accepted."""
+    # Disaggregated prefill/decode (meshserve.engine.handoff)
+    handoff: KvHandoff | None = None
+    """This replica's part of a request two replicas serve."""
 
     @property
     def num_tokens(self) -> int:

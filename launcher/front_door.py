@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import torch.distributed as dist
 import zmq
 
 from meshserve.configs.memory import MemoryPlan
@@ -27,8 +28,8 @@ from meshserve.engine.tokenizer import Tokenizer
 from meshserve.launcher.errors import StartupError
 from meshserve.launcher.network import host_address, interface_address
 from meshserve.launcher.replica_registry import ReplicaRegistry
-from meshserve.launcher.replicas import (STOP_GRACE_S, ReplicaProcess, core_shares, free_ports, replica_argv,
-                                         replica_overrides, start_replica, stop_replicas, wait_stopped)
+from meshserve.launcher.replicas import (STOP_GRACE_S, ReplicaProcess, core_shares, disaggregation_overrides, free_ports,
+                                         replica_argv, replica_overrides, start_replica, stop_replicas, wait_stopped)
 from meshserve.launcher.serve import SAME_SIGNAL_S
 
 log = logging.getLogger("meshserve")
@@ -57,13 +58,22 @@ def replica_host(config: Config) -> str:
     return interface_address(config.cluster.interface) if config.cluster.interface else host_address()
 
 
-def start_node_replicas(config: Config, argv: list[str], node_rank: int, on_exit) -> list[ReplicaProcess]:
+def kv_store_address(config: Config, local_store: dist.TCPStore | None) -> str:
+    """Where disaggregated replicas' ranks meet: node 0's registry across nodes, else the
+    store the front door hosts on loopback."""
+    if local_store is None:
+        return f"{config.cluster.master_addr}:{config.cluster.master_port}"
+    return f"127.0.0.1:{local_store.port}"
+
+
+def start_node_replicas(config: Config, argv: list[str], node_rank: int, on_exit, kv_store: str = "") -> list[ReplicaProcess]:
     host = replica_host(config)
     shares = core_shares(config)
     indices = node_replicas(config, node_rank)
     ports = free_ports(len(indices), host)
     base = replica_argv(argv)
-    return [start_replica(r, base, replica_overrides(config, j, shares, ports[j], host), on_exit)
+    return [start_replica(r, base, replica_overrides(config, j, shares, ports[j], host)
+                          + disaggregation_overrides(config, r, kv_store), on_exit)
             for j, r in enumerate(indices)]
 
 
@@ -105,7 +115,11 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
             raise
         frontends.append(http)
     started = time.monotonic()
-    replicas += start_node_replicas(config, argv, 0, lambda index, reason: inbox.put(ReplicaDown(index, reason)))
+    kv_store = None
+    if config.disaggregation.enabled and nodes == 1:
+        kv_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    replicas += start_node_replicas(config, argv, 0, lambda index, reason: inbox.put(ReplicaDown(index, reason)),
+                                    kv_store_address(config, kv_store))
     remote = [r for r in range(config.parallel.data) if r not in node_replicas(config, 0)]
     try:
         addresses = _wait_ready(replicas, registry, remote,
@@ -127,7 +141,8 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     urls = {r: http_url for r, (_, http_url) in addresses.items()}
     scrape_urls.extend((r, url) for r, url in sorted(urls.items()) if url)
     door = FrontDoor(inbox, frontends, links, router, config.router.retry, metrics,
-                     reset_prefix_caches=lambda: _reset_prefix_caches(urls, router, config.server.api_key))
+                     reset_prefix_caches=lambda: _reset_prefix_caches(urls, router, config.server.api_key),
+                     prefill_replicas=config.disaggregation.prefill_replicas)
     if http is not None:
         http.health_source = door.health
     if registry is not None:
@@ -163,7 +178,8 @@ def serve_node(config: Config, argv: list[str], node_rank: int, drain_timeout: f
                            f"for node 0's registry at {config.cluster.master_addr}:{config.cluster.master_port}: "
                            f"{type(e).__name__}: {e}") from None
     ended: dict[int, str] = {}
-    replicas = start_node_replicas(config, argv, node_rank, lambda index, reason: ended.setdefault(index, reason))
+    replicas = start_node_replicas(config, argv, node_rank, lambda index, reason: ended.setdefault(index, reason),
+                                   kv_store_address(config, None))
     stopping: list[float] = []
 
     def stop(reason: str) -> None:

@@ -23,7 +23,7 @@ from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import MemoryPlan, stage_layers
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
-from meshserve.engine.build import build_engine, build_runner
+from meshserve.engine.build import attach_kv_transfer, build_engine, build_runner
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import DistributedExecutor, LocalExecutor
 from meshserve.engine.model_runner import ModelRunner
@@ -156,6 +156,7 @@ def _drive_world(config, info, memory, env, mode: DriverMode, groups, tokenizer,
         broadcast_text(f"{channel.addresses} {monitor.addresses}", src=0)
     log.info("building the model: %s", _model_line(config, info, groups))
     runner = build_runner(config, info, memory, groups, _device(config, env), tokenizer, show_progress=True)
+    attach_kv_transfer(config, info, memory, groups, runner)
     _say_kernels(config, env, runner)
     if channel is None:
         executor = LocalExecutor(runner, failure)
@@ -185,6 +186,7 @@ def _follow(config, info, memory, env, groups) -> None:
     channel = WorkerChannel(" ".join(addresses[:2]), env.global_rank, secret=config.server.secret)
     log.info("rank %d: building the model: %s", env.global_rank, _model_line(config, info, groups))
     runner = build_runner(config, info, memory, groups, _device(config, env))
+    attach_kv_transfer(config, info, memory, groups, runner)
     _say_kernels(config, env, runner)
     channel.handshake(config.cluster.handshake_timeout)
     failure = FailureSignal()

@@ -90,6 +90,16 @@ def replica_overrides(config: Config, local_index: int, shares: list[list[int] |
     return [item for s in sets for item in ("--set", s)]
 
 
+def disaggregation_overrides(config: Config, replica: int, store: str) -> list[str]:
+    """The --set items that tell replica `replica` its place in disaggregated prefill/decode:
+    which replica it is, of how many, and where the ranks meet (`store`, host:port)."""
+    if not config.disaggregation.enabled:
+        return []
+    sets = [f"disaggregation.replica={replica}", f"disaggregation.replicas={config.parallel.data}",
+            f"disaggregation.store={store}"]
+    return [item for s in sets for item in ("--set", s)]
+
+
 def _cpu_list(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 

@@ -102,6 +102,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, dtype, backend) for _ in range(*layer_range))
         self.dtype = dtype
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend) if has_head else None
+        self.layer_hook = None
+        """Called with each layer's index (of this stage) once it has run and written its KV
+        (disaggregated prefill sends the layer's blocks then: engine/kv_agent.py)."""
 
     def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: StepMetadata):
         """First stage: from input_ids. Later stages: from the previous stage's (hidden,
@@ -109,8 +112,10 @@ class LlamaModel(nn.Module):
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions, self.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+            if self.layer_hook is not None:
+                self.layer_hook(i)
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
             residual = None

@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 import msgspec
 
-from meshserve.comm.messages import SamplingParams
+from meshserve.comm.messages import KvHandoff, SamplingParams, TokenLogprob
 from meshserve.engine.structured import Grammar
 
 
@@ -37,11 +37,22 @@ class AddCommand:
     cache_salt: str | None = None
     grammar: Grammar | None = None
     """The compiled structured-output constraint, if the request has one."""
+    handoff: KvHandoff | None = None
+    """Disaggregated prefill/decode: this replica's part of the request (engine/handoff.py)."""
 
 
 @dataclass(frozen=True)
 class AbortCommand:
     key: RequestKey
+
+
+@dataclass(frozen=True)
+class KvReadyCommand:
+    """Disaggregated decode: the request's KV was sent; `token_id` is its first token."""
+
+    key: RequestKey
+    token_id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,7 @@ class ResetPrefixCacheCommand:
     done: concurrent.futures.Future
 
 
-Command = AddCommand | AbortCommand | ResetPrefixCacheCommand
+Command = AddCommand | AbortCommand | KvReadyCommand | ResetPrefixCacheCommand
 
 
 class Inbox(queue.Queue):

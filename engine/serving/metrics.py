@@ -99,6 +99,9 @@ class EngineMetrics:
         self.preemptions = Counter(PREFIX + "num_preemptions", "Sequences preempted (recomputed later)", registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
+        self.prompt_computed = Counter(PREFIX + "prompt_tokens_computed", "Prompt tokens run through the model (not "
+                                       "those found in the prefix cache or received from a prefill replica)",
+                                       registry=r)
         self.finished = Counter(PREFIX + "request_success", "Requests finished, by reason", ["finished_reason"],
                                 registry=r)
         self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Tokens of admitted prompts looked up in the "
@@ -151,6 +154,9 @@ class EngineMetrics:
         self.kv_usage.set_function(lambda: sched.blocks.usage)
         blocks = sched.blocks
         self.prefix_hit_rate.set_function(lambda: blocks.hit_tokens / blocks.query_tokens if blocks.query_tokens else 0.0)
+        runner = getattr(engine.executor, "runner", None)
+        if runner is not None and runner.kv is not None:
+            self._kv_transfer_gauges(runner.kv.stats)
         self._cost, self._roofline = cost, roofline
         if roofline is not None:
             self.peak_flops.set(roofline.peak_flops)
@@ -213,6 +219,9 @@ class EngineMetrics:
 
     def on_step(self, batch: ScheduledBatch, context_lens: list[int], seconds: float) -> None:
         self.steps.inc()
+        computed = sum(max(0, min(s.prompt_len, end) - (end - n)) for s, n, end in zip(batch.seqs, batch.num_new, context_lens))
+        if computed:
+            self.prompt_computed.inc(computed)
         self.step_seconds.inc(seconds)
         now = time.monotonic()
         if self._engine is not None and now - self._ranks_read >= RANK_STATS_INTERVAL_S:
@@ -230,6 +239,28 @@ class EngineMetrics:
             self.mfu.set(flops / seconds / self._roofline.peak_flops)
             self.mbu.set(nbytes / seconds / self._roofline.memory_bandwidth)
 
+
+    def _kv_transfer_gauges(self, stats) -> None:
+        """Disaggregated prefill/decode: the driver rank's KV transfers (engine/kv_agent.py
+        KvStats; with tensor or pipeline parallelism each rank moves its own shard too)."""
+        r = self.registry
+        moved = Gauge(PREFIX + "kv_transfer_bytes", "KV bytes this rank sent (prefill) or landed (decode)",
+                      ["direction"], registry=r)
+        moved.labels("sent").set_function(lambda: stats.bytes_sent)
+        moved.labels("received").set_function(lambda: stats.bytes_received)
+        count = Gauge(PREFIX + "kv_transfers", "KV transfers sent whole, landed, or failed to land", ["outcome"],
+                      registry=r)
+        count.labels("sent").set_function(lambda: stats.transfers_sent)
+        count.labels("landed").set_function(lambda: stats.transfers_landed)
+        count.labels("failed").set_function(lambda: stats.transfers_failed)
+        seconds = Gauge(PREFIX + "kv_transfer_seconds", "Prefill: transfers' first send to last completion "
+                        "(total), the part while their steps still computed (overlapped), and posting sends on the "
+                        "step's thread (posting); decode: steps held waiting for transfers (land_wait)", ["part"],
+                        registry=r)
+        seconds.labels("total").set_function(lambda: stats.transfer_seconds)
+        seconds.labels("overlapped").set_function(lambda: stats.overlapped_seconds)
+        seconds.labels("posting").set_function(lambda: stats.send_seconds)
+        seconds.labels("land_wait").set_function(lambda: stats.land_wait_seconds)
 
     def _read_ranks(self) -> None:
         """Every rank's occupancy and memory, from the counters they send the driver (read

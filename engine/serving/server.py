@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from meshserve.comm.messages import ErrorReply
 from meshserve.engine.engine import Engine
-from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Command, Frontend, Inbox,
+from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Command, Frontend, Inbox, KvReadyCommand,
                                                ResetPrefixCacheCommand)
 from meshserve.engine.admission import RequestError
 
@@ -145,6 +145,10 @@ class Server:
             delta = self.engine.abort(cmd.key)
             if delta is not None:
                 self.send(cmd.key, delta)
+        elif isinstance(cmd, KvReadyCommand):
+            error = self.engine.kv_ready(cmd.key, cmd.token_id, cmd.logprob)
+            if error is not None:
+                self.send(cmd.key, error)
         elif isinstance(cmd, ResetPrefixCacheCommand):
             cmd.done.set_result(self.engine.reset_prefix_cache())
         else:
@@ -162,8 +166,9 @@ class Server:
                                                  f"{len(cmd.prompt_ids)} (scheduler.max_waiting_tokens="
                                                  f"{self.max_waiting_tokens}); retry later")
             self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt,
-                                    cmd.grammar)
+                                    cmd.grammar, cmd.handoff)
         except RequestError as e:
+            self.engine.handoffs.refused(cmd.handoff, len(cmd.prompt_ids))
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))
 
 

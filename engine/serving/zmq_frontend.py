@@ -26,9 +26,9 @@ import zmq
 
 from meshserve.comm.auth import TAG_BYTES, DropLog, FrameAuth
 from meshserve.comm.curve import CurveAuthenticator, make_curve_server
-from meshserve.comm.messages import (AbortRequest, Delta, ErrorCode, ErrorReply, GenerateRequest, Usage,
+from meshserve.comm.messages import (AbortRequest, Delta, ErrorCode, ErrorReply, GenerateRequest, KvReady, Usage,
                                      client_decoder, encoder)
-from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey
+from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, KvReadyCommand, RequestKey
 from meshserve.engine.serving.tokenize_pool import TokenizePool
 from meshserve.engine.structured import GrammarCompiler, GrammarSpec, spec_from_message
 from meshserve.engine.tokenizer import Tokenizer
@@ -228,6 +228,9 @@ class ZmqFrontend:
             self._reply_error(identity, self._request_id(payload), "bad_request", f"malformed message: {detail}")
             return
         key = RequestKey(self.tag, identity, msg.request_id)
+        if isinstance(msg, KvReady):
+            self.inbox.put(KvReadyCommand(key, msg.token_id, msg.logprob))
+            return
         if isinstance(msg, AbortRequest):
             if key in self._tokenizing:
                 self._tokenizing[key] = True
@@ -275,7 +278,7 @@ class ZmqFrontend:
         if self._tokenizing.pop(key, False):  # aborted while tokenizing
             self._failed.put((key.client, Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
             return
-        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt, grammar))
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt, grammar, req.handoff))
 
     def _admit(self, key: RequestKey, req: GenerateRequest, ids: list[int]) -> None:
         """A request of token ids, on the I/O thread (checking them is cheap)."""
@@ -284,7 +287,8 @@ class ZmqFrontend:
         except RequestError as e:
             self._reply_error(key.client, req.request_id, e.code, e.message)
             return
-        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt))
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt,
+                                  handoff=req.handoff))
 
     def _refuse(self, identity: bytes, frame: bytes | None, what: str) -> None:
         self._refused("refused an unauthenticated client frame (%s)", what)

@@ -16,7 +16,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,32 +23,11 @@ import pytest
 
 from meshserve.client import Client, MeshserveError
 from support.reference import hf_greedy
-from support.server import MeshserveProcess, alive, free_port, http_url, process_env
+from support.deployments import chat_ids, replica_process, replica_rank_pids, samples, serve
+from support.server import alive
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello."]
 FAILURE_TIMEOUT = 4.0
-
-
-def _serve(tmp_path: Path, name: str, *sets: str) -> tuple[MeshserveProcess, str, str]:
-    address = f"tcp://127.0.0.1:{free_port()}"
-    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq={address}",
-                               "--set", "server.http=127.0.0.1:0", "--set", "model.max_model_len=512",
-                               *[a for s in sets for a in ("--set", s)]], tmp_path, name=name)
-    line = server.wait_ready(300)
-    return server, address, http_url(line, address)
-
-
-def chat_ids(tok, messages) -> list[int]:
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False)
-
-
-def _samples(text: str, name: str) -> dict[tuple, float]:
-    """{(label=value, ...): value} of metric `name` in a /metrics text."""
-    out = {}
-    for labels, value in re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", text, re.M):
-        out[tuple(sorted(labels.split(",")))] = float(value)
-    return out
 
 
 @pytest.mark.slow
@@ -57,7 +35,7 @@ def test_two_replicas_serve_transformers_tokens_and_keep_a_conversation_on_its_r
     from support.checkpoints import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
-    server, address, url = _serve(tmp_path, "dp2", "parallel.data=2")
+    server, address, url = serve(tmp_path, "dp2", "parallel.data=2")
     try:
         log = server.tail(1 << 20)
         assert "replicas=2" in server.wait_ready()
@@ -94,14 +72,14 @@ def test_two_replicas_serve_transformers_tokens_and_keep_a_conversation_on_its_r
         assert second.usage.prompt_tokens_details.cached_tokens >= 16  # its first turn's blocks, on that replica
 
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        routed = _samples(metrics, "meshserve_router_requests_total")
+        routed = samples(metrics, "meshserve_router_requests_total")
         by_replica = {r: sum(v for k, v in routed.items() if f'replica="{r}"' in k) for r in "01"}
         assert by_replica["0"] >= 1 and by_replica["1"] >= 1 and sum(by_replica.values()) == len(prompts) + 2, routed
         assert sum(v for k, v in routed.items() if 'reason="history"' in k) == 1, routed
-        up = _samples(metrics, "meshserve_replica_up")
+        up = samples(metrics, "meshserve_replica_up")
         assert up == {('replica="0"',): 1.0, ('replica="1"',): 1.0}, up
         # the replicas' own metrics, labelled
-        tokens = _samples(metrics, "meshserve_generation_tokens_total")
+        tokens = samples(metrics, "meshserve_generation_tokens_total")
         assert {k for k in tokens if any('replica="' in label for label in k)}, metrics[:3000]
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 200
@@ -110,25 +88,6 @@ def test_two_replicas_serve_transformers_tokens_and_keep_a_conversation_on_its_r
         assert not server.group_alive() and not server.descendants()
     finally:
         server.kill()
-
-
-def _replica_rank_pids(server: MeshserveProcess) -> dict[tuple[int, int], int]:
-    """(replica, rank within it) -> pid, read from the ranks' environment."""
-    pids = {}
-    for pid in server.descendants():
-        env = process_env(pid)
-        if env is not None and b"RANK" in env and b"LOCAL_RANK" in env and b"MESHSERVE_REPLICA" in env:
-            pids[int(env[b"MESHSERVE_REPLICA"]), int(env[b"RANK"])] = pid
-    return pids
-
-
-def _replica_process(server: MeshserveProcess, replica: int) -> int:
-    """The pid of replica `replica`'s own `meshserve serve` (its elastic agent)."""
-    for pid in server.descendants():
-        env = process_env(pid)
-        if env is not None and env.get(b"MESHSERVE_REPLICA") == str(replica).encode() and b"RANK" not in env:
-            return pid
-    raise AssertionError(f"no process of replica {replica}")
 
 
 def _stream(address: str, prompt: list[int], started: threading.Event, outcome: dict) -> None:
@@ -145,11 +104,11 @@ def _stream(address: str, prompt: list[int], started: threading.Event, outcome: 
 
 @pytest.mark.slow
 def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny_checkpoints):
-    server, address, url = _serve(tmp_path, "dp2-kill", f"model.path={tiny_checkpoints['llama']}", "parallel.data=2",
+    server, address, url = serve(tmp_path, "dp2-kill", f"model.path={tiny_checkpoints['llama']}", "parallel.data=2",
                                   "parallel.tensor=2", "cache.memory=16MiB",
                                   f"cluster.failure_timeout={FAILURE_TIMEOUT}", "cluster.heartbeat_interval=0.5")
     try:
-        pids = _replica_rank_pids(server)
+        pids = replica_rank_pids(server)
         assert set(pids) == {(0, 0), (0, 1), (1, 0), (1, 1)}, pids
         outcomes = [{} for _ in range(6)]
         started = [threading.Event() for _ in outcomes]
@@ -159,9 +118,9 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
             t.start()
         assert all(s.wait(60) for s in started), "not every stream started"
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        assert _samples(metrics, "meshserve_replica_requests") == {('replica="0"',): 3.0, ('replica="1"',): 3.0}
+        assert samples(metrics, "meshserve_replica_requests") == {('replica="0"',): 3.0, ('replica="1"',): 3.0}
         killed_at = time.monotonic()
-        replica1 = [pid for (r, _), pid in pids.items() if r == 1] + [_replica_process(server, 1)]
+        replica1 = [pid for (r, _), pid in pids.items() if r == 1] + [replica_process(server, 1)]
         os.kill(pids[1, 1], signal.SIGKILL)
         with Client(address, timeout=120) as client:  # served meanwhile, whichever replica it meets
             late = [client.generate(list(range(200 + i, 210 + i)), max_tokens=8, temperature=0) for i in range(4)]
@@ -186,7 +145,7 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
         assert body["status"] == "degraded" and body["replicas"]["serving"] == 1
         assert [d["replica"] for d in body["replicas"]["down"]] == [1]
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        assert _samples(metrics, "meshserve_replica_up") == {('replica="0"',): 1.0, ('replica="1"',): 0.0}
+        assert samples(metrics, "meshserve_replica_up") == {('replica="0"',): 1.0, ('replica="1"',): 0.0}
         assert "rank 1 died first (killed by SIGKILL)" in server.tail(1 << 20)
         assert server.stop() == 0, server.tail()
         assert not server.group_alive() and not alive(pids.values())

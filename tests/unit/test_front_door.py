@@ -7,75 +7,16 @@ the client under its own request id; aborts reach the replica; /health follows."
 from __future__ import annotations
 
 import threading
-import time
 
-import msgspec
 import pytest
 import zmq
 
-from meshserve.comm.messages import (AbortRequest, Delta, ErrorReply, GenerateRequest, SamplingParams, Usage,
-                                     client_decoder, encoder)
-from meshserve.engine.serving.commands import AbortCommand, AddCommand, RequestKey
+from meshserve.comm.messages import AbortRequest, Delta, ErrorReply, GenerateRequest, Usage
+from meshserve.engine.serving.commands import AbortCommand
 from meshserve.engine.serving.replicas.front_door import FrontDoor, ReplicaDown, WakingInbox
 from meshserve.engine.serving.replicas.link import ReplicaLink
 from meshserve.engine.serving.replicas.routing import Router
-
-TIMEOUT = 10.0
-
-
-class Client:
-    """Stands for a frontend: what the front door sends its clients."""
-
-    tag = "zmq"
-
-    def __init__(self):
-        self.accepting, self.error = True, None
-        self.got: list[tuple[RequestKey, msgspec.Struct]] = []
-        self.lock = threading.Lock()
-
-    def start(self):
-        pass
-
-    def send(self, key, message):
-        with self.lock:
-            self.got.append((key, message))
-
-    def send_all(self, replies):
-        for key, message in replies:
-            self.send(key, message)
-
-    def close(self):
-        pass
-
-    def wait(self, n: int) -> list[tuple[RequestKey, msgspec.Struct]]:
-        deadline = time.monotonic() + TIMEOUT
-        while len(self.got) < n:
-            assert time.monotonic() < deadline, f"only {self.got}"
-            time.sleep(0.01)
-        return self.got[:n]
-
-
-class Replica:
-    """A ROUTER socket where a replica's ZMQ frontend would be."""
-
-    def __init__(self, ctx: zmq.Context):
-        self.socket = ctx.socket(zmq.ROUTER)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.decoder, self.encoder = client_decoder(), encoder()
-        self.peer = None
-
-    def receive(self):
-        assert self.socket.poll(int(TIMEOUT * 1000)), "nothing reached the replica"
-        self.peer, frame = self.socket.recv_multipart()
-        return self.decoder.decode(frame)
-
-    def quiet(self) -> bool:
-        return not self.socket.poll(200)
-
-    def reply(self, message) -> None:
-        self.socket.send_multipart([self.peer, self.encoder.encode(message)])
-
+from support.fake_replicas import Client, Replica, add
 
 @pytest.fixture
 def door():
@@ -95,12 +36,6 @@ def door():
     for r in replicas:
         r.socket.close(linger=0)
     ctx.term()
-
-
-def add(inbox, request_id: str, prompt: list[int]) -> RequestKey:
-    key = RequestKey("zmq", b"client-1", request_id)
-    inbox.put(AddCommand(key, request_id, prompt, SamplingParams(max_tokens=4, temperature=0), True))
-    return key
 
 
 def test_a_refused_request_starts_over_on_the_other_replica_under_its_own_id(door):

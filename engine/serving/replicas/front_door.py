@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from meshserve.comm.messages import Constraint, Delta, ErrorReply, GenerateRequest
+from meshserve.comm.messages import (Constraint, Delta, ErrorReply, GenerateRequest, KvHandoff, KvReady, KvReserved,
+                                     PrefillDone)
 from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Frontend, Inbox, RequestKey,
                                                ResetPrefixCacheCommand)
 from meshserve.engine.serving.replicas.link import ReplicaLink
@@ -52,6 +53,14 @@ class _Pending:
     tried: set[int] = field(default_factory=set)
     sent_output: bool = False
     """The client has had tokens of it: it cannot start over elsewhere."""
+    prefill: int | None = None
+    """Disaggregated: the prefill replica computing its prompt ..."""
+    transfer: int = -1
+    prefill_tokens: int = 0
+    aborted: bool = False
+    phase: str = ""
+    """... and where it is: `reserving` (the decode replica reserves its blocks),
+    `prefilling`, then `decoding`."""
 
 
 class WakingInbox(Inbox):
@@ -94,10 +103,16 @@ class WakingInbox(Inbox):
 
 class FrontDoor:
     def __init__(self, inbox: WakingInbox, frontends: list[Frontend], links: list[ReplicaLink], router: Router,
-                 retry: bool = True, observer=None, reset_prefix_caches=None):
+                 retry: bool = True, observer=None, reset_prefix_caches=None, prefill_replicas: int = 0):
         """`observer`: told of routes, retries and replica failures (RouterMetrics).
         `reset_prefix_caches()`: forgets every replica's prefix cache, returns the blocks
-        forgotten (run on a thread of its own)."""
+        forgotten (run on a thread of its own). `prefill_replicas`: disaggregated
+        prefill/decode: the first this many replicas compute prompts, the rest decode (the
+        router picks among those)."""
+        self.prefill_replicas = frozenset(range(prefill_replicas))
+        self._prefill_load = {r: 0 for r in self.prefill_replicas}
+        """Prompt tokens each prefill replica has been given and not finished."""
+        self._transfers = itertools.count()
         self.inbox, self.links, self.router, self.retry = inbox, links, router, retry
         self.frontends = {f.tag: f for f in frontends}
         self.observer = observer
@@ -177,7 +192,11 @@ class FrontDoor:
         elif isinstance(cmd, AbortCommand):
             link_id = self._link_ids.get(cmd.key)
             if link_id is not None:
-                self.links[self._pending[link_id].replica].abort(link_id)
+                p = self._pending[link_id]
+                self.links[p.replica].abort(link_id)
+                if p.phase == "prefilling":
+                    self.links[p.prefill].abort(link_id)
+                p.aborted = True
         elif isinstance(cmd, ResetPrefixCacheCommand):
             for index in self.router.indexes:
                 index.clear()
@@ -192,7 +211,17 @@ class FrontDoor:
         if self.stopping.is_set() and p.tried:
             self._reply(p, ErrorReply(cmd.request_id, "unavailable", "the server is shutting down"))
             return
-        route: Route | None = self.router.route(cmd.prompt_ids, cmd.cache_salt, exclude=p.tried)
+        handoff = None
+        if self.prefill_replicas:
+            prefill = self._pick_prefill()
+            if prefill is None:
+                why = "; ".join(f"replica {r}: {self.down[r]}" for r in sorted(self.prefill_replicas))
+                self._reply(p, ErrorReply(cmd.request_id, "unavailable",
+                                          f"no prefill replica can take the request (all out of service: {why})"))
+                return
+            p.prefill, p.transfer, p.phase = prefill, next(self._transfers) % (1 << 31), "reserving"
+            handoff = KvHandoff(p.transfer, prefill, "decode")
+        route: Route | None = self.router.route(cmd.prompt_ids, cmd.cache_salt, exclude=p.tried | self.prefill_replicas)
         if route is None:
             why = "; ".join(f"replica {r}: {reason}" for r, reason in sorted(self.down.items())) or "none up"
             self._reply(p, ErrorReply(cmd.request_id, "unavailable",
@@ -210,16 +239,84 @@ class FrontDoor:
         grammar = None if cmd.grammar is None else Constraint(**_spec_fields(cmd.grammar.spec))
         self.links[route.replica].send(GenerateRequest(link_id, prompt_token_ids=cmd.prompt_ids, params=cmd.params,
                                                        stream=cmd.stream, cache_salt=cmd.cache_salt,
-                                                       constraint=grammar))
+                                                       constraint=grammar, handoff=handoff))
 
-    def _on_reply(self, replica: int, reply: Delta | ErrorReply) -> None:
+    # ------------------------------------------------------------------ disaggregated prefill/decode
+
+    def _pick_prefill(self) -> int | None:
+        """The prefill replica with the fewest prompt tokens to compute."""
+        up = [r for r in sorted(self.prefill_replicas) if r not in self.down]
+        return min(up, key=lambda r: self._prefill_load[r]) if up else None
+
+    def _on_reserved(self, link_id: str, p: _Pending, reply: KvReserved) -> None:
+        """The decode replica reserved the blocks and posted its receives: the prefill
+        replica computes the prompt. It is told even if the request was aborted meanwhile
+        (and aborted there at once), as only it can answer those receives."""
+        if p.phase != "reserving":
+            return
+        if p.prefill in self.down:
+            self._prefill_failed(link_id, p, f"prefill replica {p.prefill} failed: {self.down[p.prefill]}")
+            return
+        p.phase = "prefilling"
+        cmd = p.cmd
+        p.prefill_tokens = len(cmd.prompt_ids) - reply.cached_tokens
+        self._prefill_load[p.prefill] += p.prefill_tokens
+        grammar = None if cmd.grammar is None else Constraint(**_spec_fields(cmd.grammar.spec))
+        first_block = reply.cached_tokens // self.router.block_size
+        self.links[p.prefill].send(GenerateRequest(link_id, prompt_token_ids=cmd.prompt_ids, params=cmd.params,
+                                                   stream=False, cache_salt=cmd.cache_salt, constraint=grammar,
+                                                   handoff=KvHandoff(p.transfer, p.replica, "prefill", first_block)))
+        if p.aborted:  # after the reservation: the prefill replica ends the receives it posted (with zeros)
+            self.links[p.prefill].abort(link_id)
+
+    def _on_prefill_reply(self, link_id: str, p: _Pending, reply) -> None:
+        if p.phase != "prefilling":
+            return
+        if isinstance(reply, PrefillDone):
+            self._prefilled(p)
+            p.phase = "decoding"
+            self.links[p.replica].send(KvReady(link_id, reply.token_id, reply.logprob))
+        elif isinstance(reply, ErrorReply):
+            self._prefill_failed(link_id, p, f"prefill replica {p.prefill}: {reply.code}: {reply.message}",
+                                 reply.code)
+
+    def _prefilled(self, p: _Pending) -> None:
+        """`p`'s prefill ended (done, failed or aborted): its prefill replica's load drops."""
+        if p.phase == "prefilling":
+            self._prefill_load[p.prefill] -= p.prefill_tokens
+            p.phase = "prefilled"
+
+    def _prefill_failed(self, link_id: str, p: _Pending, why: str, code: str = "unavailable") -> None:
+        """The prompt will not be computed: free the decode replica's blocks, then start over
+        (another prefill replica may serve) or answer the client."""
+        self.links[p.replica].abort(link_id)
+        self._forget(link_id, completed=False)
+        if code in RETRYABLE and self._may_retry(p):
+            self._retry(p, why)
+        else:
+            self._reply(p, ErrorReply(p.cmd.request_id, code if code in RETRYABLE else "internal", why))
+
+    # ------------------------------------------------------------------ replies
+
+    def _on_reply(self, replica: int, reply) -> None:
         p = self._pending.get(reply.request_id) if reply.request_id is not None else None
+        if p is not None and replica == p.prefill and replica != p.replica:
+            self._on_prefill_reply(reply.request_id, p, reply)
+            return
+        if p is not None and isinstance(reply, KvReserved):
+            if replica == p.replica:
+                self._on_reserved(reply.request_id, p, reply)
+            return
+        if isinstance(reply, PrefillDone):
+            return
         if p is None or p.replica != replica:
             if isinstance(reply, ErrorReply) and reply.request_id is None:
                 log.error("replica %d: %s: %s", replica, reply.code, reply.message)
             return
         key = p.cmd.key
         if isinstance(reply, ErrorReply):
+            if p.phase == "prefilling":  # the decode side is gone: the prompt is computed for nothing
+                self.links[p.prefill].abort(reply.request_id)
             self._forget(reply.request_id, completed=False)
             if reply.code in RETRYABLE and self._may_retry(p):
                 self._retry(p, f"{reply.code}: {reply.message}")
@@ -255,8 +352,12 @@ class FrontDoor:
         if not expected:
             log.error("replica %d is out of service: %s; %d of %d replicas serve", r, event.reason,
                       len(self.links) - len(self.down), len(self.links))
+        for link_id in [i for i, p in self._pending.items() if p.prefill == r and p.phase in ("reserving", "prefilling")]:
+            self._prefill_failed(link_id, self._pending[link_id], f"prefill replica {r} failed: {event.reason}")
         for link_id in [i for i, p in self._pending.items() if p.replica == r]:
             p = self._pending[link_id]
+            if p.phase == "prefilling" and p.prefill not in self.down:
+                self.links[p.prefill].abort(link_id)
             self._forget(link_id, completed=False)
             if self._may_retry(p):
                 self._retry(p, event.reason)
@@ -266,6 +367,7 @@ class FrontDoor:
 
     def _forget(self, link_id: str, completed: bool) -> None:
         p = self._pending.pop(link_id)
+        self._prefilled(p)
         self._link_ids.pop(p.cmd.key, None)
         self.router.finished(p.cmd.key, completed)
 

@@ -1,0 +1,165 @@
+"""Disaggregated prefill/decode (`parallel.data=2`, `disaggregation.prefill_replicas=1`):
+replica 0 computes prompts, replica 1 decodes, the KV blocks cross between their ranks.
+
+- SmolLM2 at tp=1 and tp=2 inside each replica: greedy tokens equal transformers' for
+  concurrent requests and a conversation's second turn, whose prefix the decode replica
+  already holds (not sent again: fewer bytes, cached tokens in the usage); the decode
+  replica never computed a prompt token.
+- int8 KV cache: the same tokens as one replica with the same config.
+- The prefill replica killed while a long prompt computes: that request alone gets
+  `unavailable`, streams already decoding finish, /health says degraded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from meshserve.client import Client, MeshserveError
+from support.deployments import chat_ids, replica_process, samples, serve
+from support.reference import hf_greedy
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
+DISAGG = ("parallel.data=2", "disaggregation.prefill_replicas=1")
+
+
+def _kv_metric(url: str, name: str, label: str) -> dict[str, float]:
+    """{replica: value} of a replica's KV-transfer gauge with `label`, through the front door."""
+    found = samples(httpx.get(f"{url}/metrics", timeout=30).text, name)
+    return {next(x for x in k if x.startswith("replica=")).split('"')[1]: v for k, v in found.items() if label in k}
+
+
+def _check_against_transformers(address: str, url: str, reference, prompts: list[list[int]]) -> None:
+    """Concurrent requests, then a conversation's second turn, against transformers' greedy
+    tokens; the second turn's prefix is on the decode replica and does not cross again."""
+    results: dict[int, list[int]] = {}
+
+    def ask(i):
+        with Client(address, timeout=180) as client:
+            results[i] = client.generate(prompts[i], max_tokens=10, temperature=0).token_ids
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    for i, prompt in enumerate(prompts):
+        want = hf_greedy(reference, prompt, 10)
+        cut = want.index(2) + 1 if 2 in want else len(want)
+        assert results[i] == want[:cut], i
+    turns, sent = [], []
+    conversation = list(prompts[0]) + list(range(300, 330))
+    with Client(address, timeout=180) as client:
+        for tail in (list(range(400, 420)), list(range(500, 540))):
+            before = _kv_metric(url, "meshserve_kv_transfer_bytes", 'direction="sent"')["0"]
+            out = client.generate(conversation, max_tokens=12, temperature=0, ignore_eos=True)
+            sent.append(_kv_metric(url, "meshserve_kv_transfer_bytes", 'direction="sent"')["0"] - before)
+            assert out.token_ids == hf_greedy(reference, conversation, 12)
+            turns.append((len(conversation), out.usage.cached_tokens))
+            conversation = conversation + out.token_ids + tail
+    (first_len, _), (second_len, cached) = turns
+    assert cached >= first_len // 16 * 16  # the first turn's blocks, held by the decode replica ...
+    blocks = [-(-n // 16) - c // 16 for n, c in turns]
+    assert sent[1] * blocks[0] == sent[0] * blocks[1], (sent, blocks)  # ... so only the blocks after them crossed
+    landed = _kv_metric(url, "meshserve_kv_transfers", 'outcome="landed"')
+    assert landed == {"0": 0, "1": len(prompts) + 2}, landed
+    computed = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_prompt_tokens_computed_total")
+    assert computed[('replica="1"',)] == 0 and computed[('replica="0"',)] > 100, computed
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_replicas_serve_transformers_tokens(tmp_path, smollm2_reference):
+    from support.checkpoints import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    server, address, url = serve(tmp_path, "disagg", *DISAGG)
+    try:
+        _check_against_transformers(address, url, smollm2_reference,
+                                    [chat_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS])
+        assert server.stop() == 0, server.tail()
+        assert not server.group_alive() and not server.descendants()
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_replicas_of_two_tensor_parallel_ranks(tmp_path, tiny_checkpoints):
+    from support.reference import hf_model
+
+    path = tiny_checkpoints["llama"]
+    server, address, url = serve(tmp_path, "disagg-tp2", *DISAGG, "parallel.tensor=2", f"model.path={path}")
+    try:
+        _check_against_transformers(address, url, hf_model(path), [list(range(10 + i, 50 + 7 * i)) for i in range(3)])
+        assert server.stop() == 0, server.tail()
+        assert not server.group_alive() and not server.descendants()
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_an_int8_kv_cache_crosses_as_it_is(tmp_path):
+    from support.checkpoints import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    prompts = [chat_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    outputs = {}
+    for name, sets in (("single", ()), ("disagg", DISAGG)):
+        server, address, _ = serve(tmp_path, f"int8-{name}", "cache.dtype=int8", *sets)
+        try:
+            with Client(address, timeout=180) as client:
+                outputs[name] = [client.generate(p, max_tokens=10, temperature=0).token_ids for p in prompts]
+            assert server.stop() == 0, server.tail()
+        finally:
+            server.kill()
+    assert outputs["disagg"] == outputs["single"]
+
+
+def _stream(address: str, prompt: list[int], max_tokens: int, started: threading.Event, outcome: dict) -> None:
+    with Client(address, timeout=120) as client:
+        try:
+            n = 0
+            for delta in client.generate(prompt, stream=True, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+                n += len(delta.token_ids)
+                started.set()
+            outcome["tokens"] = n
+        except MeshserveError as e:
+            outcome["error"] = (e.code, str(e))
+            started.set()
+
+
+@pytest.mark.slow
+def test_a_killed_prefill_replica_fails_only_the_prompt_it_was_computing(tmp_path):
+    server, address, url = serve(tmp_path, "disagg-kill", *DISAGG, "model.max_model_len=4096",
+                                 "scheduler.max_batched_tokens=256", "router.retry=false")
+    try:
+        prefill = replica_process(server, 0)  # world size 1: the replica's process is its rank
+        decoding = {}
+        started = threading.Event()
+        t = threading.Thread(target=_stream, args=(address, list(range(100, 140)), 200, started, decoding), daemon=True)
+        t.start()
+        assert started.wait(60)
+        long = {}
+        long_started = threading.Event()
+        threading.Thread(target=_stream, args=(address, list(range(1000, 4000)), 4, long_started, long),
+                         daemon=True).start()
+        time.sleep(1.0)  # its prompt computes on replica 0, in chunks of 256 tokens
+        os.kill(prefill, signal.SIGKILL)
+        assert long_started.wait(60)
+        code, message = long["error"]
+        assert code == "unavailable" and "prefill replica 0" in message, message
+        t.join(120)
+        assert decoding == {"tokens": 200}, decoding
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        with Client(address, timeout=30) as client:
+            with pytest.raises(MeshserveError, match="no prefill replica"):
+                client.generate([5, 6, 7], max_tokens=2)
+        assert server.stop() == 0, server.tail()
+        assert not server.group_alive() and not server.descendants()
+    finally:
+        server.kill()

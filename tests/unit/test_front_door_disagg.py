@@ -1,0 +1,131 @@
+"""The front door with disaggregated prefill/decode (replica 0 prefills, replicas 1 and 2
+decode), over real ZMQ sockets standing where the replicas' frontends would: a request
+goes to a decode replica (reserve), then, with the blocks its prefix cache holds, to the
+prefill replica, whose first token goes to the decode replica (KvReady), whose output
+reaches the client. A prefill replica that refuses or fails a request frees the decode
+replica's blocks (abort) and the request starts over or fails alone; a client's abort
+reaches both; a decode replica that fails stops the prefill it waited for."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from meshserve.comm.messages import (AbortRequest, Delta, ErrorReply, GenerateRequest, KvReady, KvReserved,
+                                     PrefillDone, Usage)
+from meshserve.engine.serving.commands import AbortCommand
+from meshserve.engine.serving.replicas.front_door import FrontDoor, ReplicaDown, WakingInbox
+from meshserve.engine.serving.replicas.link import ReplicaLink
+from meshserve.engine.serving.replicas.routing import Router
+from support.fake_replicas import Client, Replica, add
+
+
+@pytest.fixture
+def door():
+    ctx = zmq.Context()
+    replicas = [Replica(ctx) for _ in range(3)]
+    inbox, client = WakingInbox(), Client()
+    links = [ReplicaLink(ctx, i, r.address) for i, r in enumerate(replicas)]
+    front = FrontDoor(inbox, [client], links, Router(3, "least_loaded", 16, 1000), prefill_replicas=1)
+    loop = threading.Thread(target=front.run, daemon=True)
+    loop.start()
+    yield front, inbox, client, replicas
+    front.request_stop(timeout=0.0)
+    loop.join(5)
+    for link in links:
+        link.close()
+    for r in replicas:
+        r.socket.close(linger=0)
+    ctx.term()
+
+
+def reserve(replicas, prompt, cached: int = 0):
+    """The decode replica's side of the first hop: returns (decode replica, its request)."""
+    sent = replicas[1].receive()
+    assert isinstance(sent, GenerateRequest) and sent.prompt_token_ids == prompt
+    assert sent.handoff.role == "decode" and sent.handoff.peer == 0
+    replicas[1].reply(KvReserved(sent.request_id, cached))
+    return sent
+
+
+def test_a_request_is_reserved_on_decode_prefilled_without_the_cached_blocks_then_decoded(door):
+    front, inbox, client, replicas = door
+    prompt = list(range(40))
+    key = add(inbox, "mine", prompt)
+    decode = reserve(replicas, prompt, cached=32)
+    prefill = replicas[0].receive()
+    assert prefill.request_id == decode.request_id and prefill.prompt_token_ids == prompt
+    assert (prefill.handoff.role, prefill.handoff.peer, prefill.handoff.first_block) == ("prefill", 1, 2)
+    assert prefill.handoff.transfer == decode.handoff.transfer
+    replicas[0].reply(PrefillDone(prefill.request_id, 7))
+    ready = replicas[1].receive()
+    assert isinstance(ready, KvReady) and (ready.request_id, ready.token_id) == (decode.request_id, 7)
+    replicas[1].reply(Delta(decode.request_id, "a", [7]))
+    replicas[1].reply(Delta(decode.request_id, "b", [8], "length", usage=Usage(40, 2, 32)))
+    got = client.wait(2)
+    assert [(k, m.request_id, m.token_ids) for k, m in got] == [(key, "mine", [7]), (key, "mine", [8])]
+    assert front.router.load(1) == 0 and front._prefill_load[0] == 0
+    assert replicas[0].quiet() and replicas[2].quiet()
+
+
+def test_a_prefill_refusal_frees_the_reservation_and_starts_over(door):
+    front, inbox, client, replicas = door
+    prompt = list(range(20))
+    add(inbox, "mine", prompt)
+    decode = reserve(replicas, prompt)
+    prefill = replicas[0].receive()
+    replicas[0].reply(ErrorReply(prefill.request_id, "overloaded", "too many waiting"))
+    abort = replicas[1].receive()
+    assert isinstance(abort, AbortRequest) and abort.request_id == decode.request_id
+    again = replicas[2].receive()  # the other decode replica, with a new transfer
+    assert again.handoff.role == "decode" and again.handoff.transfer != decode.handoff.transfer
+
+
+def test_a_failed_prefill_replica_fails_its_requests_alone_and_new_ones_get_unavailable(door):
+    front, inbox, client, replicas = door
+    prompt = list(range(20))
+    first = add(inbox, "first", prompt)
+    decode = reserve(replicas, prompt)
+    replicas[0].receive()
+    replicas[0].reply(PrefillDone(decode.request_id, 5))
+    replicas[1].receive()  # KvReady: this one decodes now
+    add(inbox, "second", prompt)
+    second = replicas[2].receive()
+    front.retry = False
+    inbox.put(ReplicaDown(0, "killed by SIGKILL"))
+    abort = replicas[2].receive()
+    assert isinstance(abort, AbortRequest) and abort.request_id == second.request_id
+    got = client.wait(1)
+    assert got[0][1].code == "unavailable" and "prefill replica 0" in got[0][1].message
+    replicas[1].reply(Delta(decode.request_id, "x", [5, 6], "length", usage=Usage(20, 2)))
+    got = client.wait(2)
+    assert got[1][0] == first and got[1][1].finish_reason == "length"
+    add(inbox, "third", prompt)
+    got = client.wait(3)
+    assert got[2][1].code == "unavailable" and "no prefill replica" in got[2][1].message
+    assert front.health()[0] == 200
+
+
+def test_an_abort_reaches_both_replicas_and_a_failed_decode_replica_stops_its_prefill(door):
+    front, inbox, client, replicas = door
+    prompt = list(range(20))
+    key = add(inbox, "mine", prompt)
+    decode = reserve(replicas, prompt)
+    replicas[0].receive()
+    inbox.put(AbortCommand(key))
+    assert isinstance(replicas[1].receive(), AbortRequest)
+    assert isinstance(replicas[0].receive(), AbortRequest)
+    replicas[1].reply(Delta(decode.request_id, "", [], "abort", usage=Usage(20, 0)))
+    assert client.wait(1)[0][1].finish_reason == "abort"
+    front.retry = False
+    add(inbox, "other", prompt)
+    other = replicas[2].receive()
+    replicas[2].reply(KvReserved(other.request_id, 0))
+    replicas[0].receive()
+    inbox.put(ReplicaDown(2, "killed by SIGKILL"))
+    stop = replicas[0].receive()
+    assert isinstance(stop, AbortRequest) and stop.request_id == other.request_id
+    got = client.wait(2)
+    assert got[1][1].code == "unavailable" and front._prefill_load[0] == 0
