@@ -38,10 +38,13 @@ class KvTransport(Protocol):
 
 
 class TorchKvTransport:
-    def __init__(self, name: str, store: dist.Store, timeout_s: float = 60.0):
-        """`name`: this rank's name among the transport's peers (e.g. "replica0/rank1")."""
+    def __init__(self, name: str, store: dist.Store, timeout_s: float = 60.0, interface: str | None = None):
+        """`name`: this rank's name among the transport's peers (e.g. "replica0/rank1").
+        `interface`: the network interface the pairs' sockets use (cluster.interface;
+        default: the host name's address)."""
         self.name, self.store = name, store
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.interface = interface
         self._groups: dict[str, tuple[dist.ProcessGroup, int]] = {}
 
     def connect(self, peer: str) -> None:
@@ -51,7 +54,13 @@ class TorchKvTransport:
         first, second = sorted((self.name, peer))
         rank = 0 if self.name == first else 1
         prefix = dist.PrefixStore(f"kv/{first}|{second}", self.store)
-        group = dist.ProcessGroupGloo(prefix, rank, 2, self.timeout)
+        if self.interface:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(interface=self.interface)]
+            options._timeout = self.timeout
+            group = dist.ProcessGroupGloo(prefix, rank, 2, options)
+        else:
+            group = dist.ProcessGroupGloo(prefix, rank, 2, self.timeout)
         self._groups[peer] = (group, 1 - rank)
 
     def send(self, peer: str, tag: int, tensor: torch.Tensor) -> Pending:

@@ -78,7 +78,7 @@ def attach_kv_transfer(config: Config, info: ModelInfo, memory: MemoryPlan, grou
     def name(replica: int) -> str:
         return f"replica{replica}/rank{groups.global_rank}"
 
-    transport = TorchKvTransport(name(d.replica), store, timeout_s=KV_PAIR_TIMEOUT_S)
+    transport = TorchKvTransport(name(d.replica), store, timeout_s=KV_PAIR_TIMEOUT_S, interface=config.cluster.interface)
     peers = range(d.prefill_replicas, d.replicas) if role == "prefill" else range(d.prefill_replicas)
     for peer in peers:
         transport.connect(name(peer))

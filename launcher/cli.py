@@ -176,6 +176,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if config.parallel.data > 1:
         print(f"# replicas: {config.parallel.data} (parallel.data), each {config.world_size} rank(s) as above, "
               f"{config.total_ranks} ranks in all, routed {config.router.policy}")
+        if config.disaggregation.enabled:
+            d = config.disaggregation
+            print(f"# disaggregated: replicas 0..{d.prefill_replicas - 1} prefill, {d.prefill_replicas}.."
+                  f"{config.parallel.data - 1} decode (KV sent layer by layer)")
     return 0
 
 

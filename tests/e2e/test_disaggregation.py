@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from meshserve.client import Client, MeshserveError
-from support.deployments import chat_ids, replica_process, samples, serve
+from support.deployments import chat_ids, generate_concurrently, replica_process, samples, serve
 from support.reference import hf_greedy
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
@@ -37,17 +37,7 @@ def _kv_metric(url: str, name: str, label: str) -> dict[str, float]:
 def _check_against_transformers(address: str, url: str, reference, prompts: list[list[int]]) -> None:
     """Concurrent requests, then a conversation's second turn, against transformers' greedy
     tokens; the second turn's prefix is on the decode replica and does not cross again."""
-    results: dict[int, list[int]] = {}
-
-    def ask(i):
-        with Client(address, timeout=180) as client:
-            results[i] = client.generate(prompts[i], max_tokens=10, temperature=0).token_ids
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    results = generate_concurrently(address, prompts, 10)
     for i, prompt in enumerate(prompts):
         want = hf_greedy(reference, prompt, 10)
         cut = want.index(2) + 1 if 2 in want else len(want)

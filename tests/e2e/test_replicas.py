@@ -23,7 +23,7 @@ import pytest
 
 from meshserve.client import Client, MeshserveError
 from support.reference import hf_greedy
-from support.deployments import chat_ids, replica_process, replica_rank_pids, samples, serve
+from support.deployments import chat_ids, generate_concurrently, replica_process, replica_rank_pids, samples, serve
 from support.server import alive
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello."]
@@ -43,17 +43,7 @@ def test_two_replicas_serve_transformers_tokens_and_keep_a_conversation_on_its_r
             assert re.search(rf"replica {r} \| .*rank 0: 1 intra-op thread, cores {r}\b", log), log[-3000:]
         chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
         prompts = [chat_ids(tok, c) for c in chats]
-        results: dict[int, list[int]] = {}
-
-        def ask(i):
-            with Client(address, timeout=120) as client:
-                results[i] = client.generate(prompts[i], max_tokens=12, temperature=0).token_ids
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        results = generate_concurrently(address, prompts, 12)
         for i, prompt in enumerate(prompts):
             want = hf_greedy(smollm2_reference, prompt, 12)
             cut = want.index(2) + 1 if 2 in want else len(want)

@@ -4,8 +4,10 @@ metrics, find its processes."""
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
+from meshserve.client import Client
 from support.server import MeshserveProcess, free_port, http_url, process_env
 
 
@@ -48,3 +50,19 @@ def replica_process(server: MeshserveProcess, replica: int) -> int:
         if env is not None and env.get(b"MESHSERVE_REPLICA") == str(replica).encode() and b"RANK" not in env:
             return pid
     raise AssertionError(f"no process of replica {replica}")
+
+
+def generate_concurrently(address: str, prompts: list[list[int]], max_tokens: int, timeout: float = 240) -> list[list[int]]:
+    """Each prompt's greedy tokens, all requests in flight at once (a client each)."""
+    results: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        with Client(address, timeout=timeout) as client:
+            results[i] = client.generate(prompts[i], max_tokens=max_tokens, temperature=0).token_ids
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [results.get(i) for i in range(len(prompts))]

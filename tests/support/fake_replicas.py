@@ -3,6 +3,7 @@ what its clients would get, and ROUTER sockets where replicas' ZMQ frontends wou
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -11,6 +12,9 @@ import zmq
 
 from meshserve.comm.messages import SamplingParams, client_decoder, encoder
 from meshserve.engine.serving.commands import AddCommand, RequestKey
+from meshserve.engine.serving.replicas.front_door import FrontDoor, WakingInbox
+from meshserve.engine.serving.replicas.link import ReplicaLink
+from meshserve.engine.serving.replicas.routing import Router
 
 TIMEOUT = 10.0
 
@@ -73,3 +77,27 @@ def add(inbox, request_id: str, prompt: list[int]) -> RequestKey:
     key = RequestKey("zmq", b"client-1", request_id)
     inbox.put(AddCommand(key, request_id, prompt, SamplingParams(max_tokens=4, temperature=0), True))
     return key
+
+
+@contextlib.contextmanager
+def running_front_door(num_replicas: int, prefill_replicas: int = 0):
+    """A FrontDoor running on a thread over `num_replicas` Replica sockets (least-loaded
+    routing): yields (front door, its inbox, the Client frontend, the replicas)."""
+    ctx = zmq.Context()
+    replicas = [Replica(ctx) for _ in range(num_replicas)]
+    inbox, client = WakingInbox(), Client()
+    links = [ReplicaLink(ctx, i, r.address) for i, r in enumerate(replicas)]
+    front = FrontDoor(inbox, [client], links, Router(num_replicas, "least_loaded", 16, 1000),
+                      prefill_replicas=prefill_replicas)
+    loop = threading.Thread(target=front.run, daemon=True)
+    loop.start()
+    try:
+        yield front, inbox, client, replicas
+    finally:
+        front.request_stop(timeout=0.0)
+        loop.join(5)
+        for link in links:
+            link.close()
+        for r in replicas:
+            r.socket.close(linger=0)
+        ctx.term()

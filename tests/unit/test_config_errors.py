@@ -578,3 +578,14 @@ def test_several_nodes_without_a_secret_are_refused_before_any_rank_starts(tiny_
     one, one_source = tiny_config(tiny_checkpoints, tmp_path, "parallel:\n  tensor: 2\n  pipeline: 2\n", name="one.yaml")
     monkeypatch.delenv("MESHSERVE_SECRET")
     check_config(one, one_source)
+
+
+def test_disaggregation_needs_a_decode_replica_and_no_context_parallelism(tiny_checkpoints, tmp_path):
+    config, source = tiny_config(tiny_checkpoints, tmp_path, "parallel:\n  data: 2\n  context: 2\n"
+                                 "disaggregation:\n  prefill_replicas: 2\n")
+    message = check_error(config, source)
+    assert "disaggregation.prefill_replicas=2 leaves no decode replica of parallel.data=2 (at most 1)" in message
+    assert "with parallel.context=2" in message
+    config, source = tiny_config(tiny_checkpoints, tmp_path, "parallel:\n  data: 2\n"
+                                 "disaggregation:\n  prefill_replicas: 1\n", name="ok.yaml")
+    check_config(config, source)

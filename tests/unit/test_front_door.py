@@ -6,36 +6,19 @@ the client under its own request id; aborts reach the replica; /health follows."
 
 from __future__ import annotations
 
-import threading
 
 import pytest
-import zmq
 
 from meshserve.comm.messages import AbortRequest, Delta, ErrorReply, GenerateRequest, Usage
 from meshserve.engine.serving.commands import AbortCommand
-from meshserve.engine.serving.replicas.front_door import FrontDoor, ReplicaDown, WakingInbox
-from meshserve.engine.serving.replicas.link import ReplicaLink
-from meshserve.engine.serving.replicas.routing import Router
-from support.fake_replicas import Client, Replica, add
+from meshserve.engine.serving.replicas.front_door import ReplicaDown
+from support.fake_replicas import add, running_front_door
+
 
 @pytest.fixture
 def door():
-    ctx = zmq.Context()
-    replicas = [Replica(ctx), Replica(ctx)]
-    inbox, client = WakingInbox(), Client()
-    links = [ReplicaLink(ctx, i, r.address) for i, r in enumerate(replicas)]
-    router = Router(2, "least_loaded", 16, 1000)
-    front = FrontDoor(inbox, [client], links, router)
-    loop = threading.Thread(target=front.run, daemon=True)
-    loop.start()
-    yield front, inbox, client, replicas
-    front.request_stop(timeout=0.0)
-    loop.join(5)
-    for link in links:
-        link.close()
-    for r in replicas:
-        r.socket.close(linger=0)
-    ctx.term()
+    with running_front_door(2) as parts:
+        yield parts
 
 
 def test_a_refused_request_starts_over_on_the_other_replica_under_its_own_id(door):

@@ -8,37 +8,20 @@ reaches both; a decode replica that fails stops the prefill it waited for."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
-import zmq
 
 from meshserve.comm.messages import (AbortRequest, Delta, ErrorReply, GenerateRequest, KvReady, KvReserved,
                                      PrefillDone, Usage)
 from meshserve.engine.serving.commands import AbortCommand
-from meshserve.engine.serving.replicas.front_door import FrontDoor, ReplicaDown, WakingInbox
-from meshserve.engine.serving.replicas.link import ReplicaLink
-from meshserve.engine.serving.replicas.routing import Router
-from support.fake_replicas import Client, Replica, add
+from meshserve.engine.serving.replicas.front_door import ReplicaDown
+from support.fake_replicas import add, running_front_door
 
 
 @pytest.fixture
 def door():
-    ctx = zmq.Context()
-    replicas = [Replica(ctx) for _ in range(3)]
-    inbox, client = WakingInbox(), Client()
-    links = [ReplicaLink(ctx, i, r.address) for i, r in enumerate(replicas)]
-    front = FrontDoor(inbox, [client], links, Router(3, "least_loaded", 16, 1000), prefill_replicas=1)
-    loop = threading.Thread(target=front.run, daemon=True)
-    loop.start()
-    yield front, inbox, client, replicas
-    front.request_stop(timeout=0.0)
-    loop.join(5)
-    for link in links:
-        link.close()
-    for r in replicas:
-        r.socket.close(linger=0)
-    ctx.term()
+    with running_front_door(3, prefill_replicas=1) as parts:
+        yield parts
 
 
 def reserve(replicas, prompt, cached: int = 0):
@@ -129,3 +112,17 @@ def test_an_abort_reaches_both_replicas_and_a_failed_decode_replica_stops_its_pr
     assert isinstance(stop, AbortRequest) and stop.request_id == other.request_id
     got = client.wait(2)
     assert got[1][1].code == "unavailable" and front._prefill_load[0] == 0
+
+
+def test_a_request_aborted_while_reserving_still_reaches_the_prefill_replica_which_ends_it(door):
+    front, inbox, client, replicas = door
+    prompt = list(range(20))
+    key = add(inbox, "mine", prompt)
+    decode = replicas[1].receive()
+    inbox.put(AbortCommand(key))
+    assert isinstance(replicas[1].receive(), AbortRequest)
+    replicas[1].reply(KvReserved(decode.request_id, 0))  # reserved before the abort arrived: receives are posted
+    told = replicas[0].receive()
+    assert isinstance(told, GenerateRequest) and told.handoff.transfer == decode.handoff.transfer
+    stop = replicas[0].receive()  # ... and only the prefill replica can answer them (zeros, as it ends)
+    assert isinstance(stop, AbortRequest) and stop.request_id == decode.request_id
