@@ -15,8 +15,10 @@ the replicas' KV-transfer gauges give the bytes and seconds per transferred requ
 part of that time the prefill steps still computed (overlap), and what the decode replica
 waited for transfers (land wait, the only part on its steps).
 
-Both deployments are up together (an idle one costs the other little); each round measures
-one and right after it the other, swapping the order every round. The medians over
+Every run starts with the replicas' prefix caches reset (POST /reset_prefix_cache), so the
+two phases of a round compute and send the same stream prompts in full. Both deployments
+are up together (an idle one costs the other little); each round measures one and right
+after it the other, swapping the order every round. The medians over
 --rounds are printed and written to --out/summary.json.
 
     python scripts/bench_disagg.py [--rounds 3] [--streams 8] [--long-len 2048]
@@ -138,6 +140,7 @@ def main() -> None:
             for arm in order:
                 _, address, url = servers[arm]
                 for phase in ("decode_only", "with_long"):
+                    httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()  # same prompts, cold
                     before = kv_gauges(url) if arm == "disagg" else None
                     result = run(address, args, seed=1000 + r, with_long=phase == "with_long")
                     if before is not None:

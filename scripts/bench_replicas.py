@@ -11,7 +11,9 @@
   hold them all: cache-aware routing keeps each prefix on one replica, where it stays
   cached; least-loaded routing spreads every prefix over both, and each replica's cache
   keeps evicting what it will need next. Prints the prefix-cache hit rate (cached prompt
-  tokens / prompt tokens, from the usage) and TTFT p50.
+  tokens / prompt tokens, from the usage) and TTFT p50. --routing-replicas 4 --cache-memory
+  64MiB: four replicas (sharing the cores) each holding 2.7 prefixes: cache-aware routing
+  keeps two on each, least-loaded routing has every replica see all eight.
 
 The two servers of a part are up together (an idle server costs the other nothing); each
 round measures one and right after the other (swapping who goes first every round), after
@@ -64,7 +66,8 @@ def parts(args) -> dict[str, tuple[dict[str, list[str]], list[str]]]:
                        ["--dataset-name", "random", "--input-len", str(args.input_len), "--output-len",
                         str(args.output_len), "--num-prompts", str(2 * args.concurrency), "--max-concurrency",
                         str(args.concurrency), "--ignore-eos"]),
-        "routing": ({policy: ["parallel.data=2", f"router.policy={policy}", f"cache.memory={args.cache_memory}",
+        "routing": ({policy: [f"parallel.data={args.routing_replicas}", f"router.policy={policy}",
+                              f"cache.memory={args.cache_memory}",
                               *common] for policy in ("cache_aware", "least_loaded")},
                     ["--dataset-name", "prefix-repetition", "--num-prefixes", str(args.num_prefixes), "--prefix-len",
                      str(args.prefix_len), "--suffix-len", str(args.suffix_len), "--output-len", "16",
@@ -100,6 +103,7 @@ def main() -> int:
     p.add_argument("--routing-prompts", type=int, default=96)
     p.add_argument("--routing-concurrency", type=int, default=8)
     p.add_argument("--cache-memory", default="112MiB", help="each replica's KV cache in the routing part")
+    p.add_argument("--routing-replicas", type=int, default=2, help="parallel.data of the routing part")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override of every server (repeatable)")
     p.add_argument("--out", default=str(REPO / "results" / "bench_replicas"))
