@@ -81,3 +81,43 @@ def max_over_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     if group.size > 1:
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group.device_group)
     return x
+
+
+def exchange_counts(counts: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """All-to-all of one int64 per member: `counts[j]` goes to member j; returns what each
+    member sent this one (the sizes of the row exchange that follows)."""
+    if group.size == 1:
+        return counts
+    out = torch.empty_like(counts)
+    started = group.timer.start()
+    dist.all_to_all_single(out, counts, group=group.device_group)
+    group.timer.stop(started)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group: AxisGroup) -> torch.Tensor:
+    """All-to-all over `group` along dim 0: the first `send_counts[0]` rows of `x` go to
+    member 0, the next `send_counts[1]` to member 1, ...; returns the rows received,
+    member 0's first (`recv_counts` of them each)."""
+    if group.size == 1:
+        return x
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    started = group.timer.start()
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group.device_group)
+    group.timer.stop(started)
+    return out
+
+
+def all_gather_rows(x: torch.Tensor, counts: list[int], group: AxisGroup) -> torch.Tensor:
+    """All-gathers along dim 0 over `group`: member i contributes its `counts[i]` rows (x);
+    returns them all, member 0's first, on every member."""
+    if group.size == 1:
+        return x
+    width = max(counts)
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(group.size)]
+    started = group.timer.start()
+    dist.all_gather(parts, padded, group=group.device_group)
+    group.timer.stop(started)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)])

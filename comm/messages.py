@@ -433,6 +433,10 @@ class RankStats(Struct, frozen=True, tag="stats"):
     """Context parallelism: time waiting for K/V blocks (a late peer included)."""
     cp_exposed_seconds: float = 0.0
     """Context parallelism: the part of those waits spent on transfers compute did not hide."""
+    expert_tokens: int = 0
+    """Expert parallelism: (token, expert) pairs this rank's experts computed (its load)."""
+    ep_seconds: float = 0.0
+    """Expert parallelism: time in the all-to-all token exchanges and all-gathers."""
 
 
 RankMessage = Union[StepResult, Ready, RankStats]

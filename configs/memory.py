@@ -54,7 +54,7 @@ def local_num_kv_heads(num_key_value_heads: int, tp_size: int) -> int:
 def head_cost_in_layers(info: ModelInfo) -> float:
     """The LM head's matmul weights over one decoder layer's: what the last stage computes
     beyond its layers for every decoded token."""
-    return info.vocab_size * info.hidden_size / info.layer_parameters
+    return info.vocab_size * info.hidden_size / info.active_layer_parameters
 
 
 def layers_per_stage(num_layers: int, pp_size: int, explicit: list[int] | None = None,
@@ -123,7 +123,8 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     nbytes = DTYPE_BYTES[dtype]
     h, v = info.hidden_size, info.vocab_size
     embed = math.ceil(v / tp) * h
-    per_layer = info.layer_parameters
+    # Expert parallelism: a rank holds 1/parallel.expert of the routed experts.
+    per_layer = info.layer_parameters - info.expert_layer_parameters * (1 - 1 / config.parallel.expert)
     most_layers = max(stage_layers(config, info))
     # The first stage holds the embedding, the last the LM head (tied: loaded on both ends).
     ends = embed * (1 if (pp > 1 or info.tie_word_embeddings) else 2)

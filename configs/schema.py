@@ -44,6 +44,11 @@ class ParallelConfig(Section):
     tensor: PositiveInt = 1
     pipeline: PositiveInt = 1
     context: PositiveInt = 1
+    expert: PositiveInt = 1
+    """Expert parallelism (mixture-of-experts models): the experts of every MoE layer split
+    over this many groups of `tensor` ranks, which exchange tokens all-to-all; attention and
+    the dense layers are replicated over them (meshserve.layers.moe). Multiplies the ranks
+    of a replica: tensor x expert x context x pipeline."""
     data: PositiveInt = 1
     """Replicas: each a whole tensor x pipeline x context group of ranks with its own driver,
     scheduler and KV cache, behind one front door (server.zmq and server.http) that routes
@@ -58,6 +63,14 @@ class ParallelConfig(Section):
     @property
     def num_micro_batches(self) -> int:
         return self.micro_batches or self.pipeline
+
+    def sizes(self, with_data: bool = False) -> str:
+        """The product that makes the world size, for messages: `parallel.tensor x pipeline x
+        context = 2 x 1 x 1` (expert and data only where they are not 1)."""
+        axes = [("data", self.data)] if with_data else []
+        axes += [("tensor", self.tensor)] + ([("expert", self.expert)] if self.expert > 1 else [])
+        axes += [("pipeline", self.pipeline), ("context", self.context)]
+        return (f"parallel.{' x '.join(n for n, _ in axes)} = {' x '.join(str(v) for _, v in axes)}")
 
 
 class DeviceConfig(Section):
@@ -370,8 +383,8 @@ class Config(Section):
 
     @property
     def world_size(self) -> int:
-        """The ranks of one replica (tensor x pipeline x context): one torch.distributed world."""
-        return self.parallel.tensor * self.parallel.pipeline * self.parallel.context
+        """The ranks of one replica (tensor x expert x context x pipeline): one torch.distributed world."""
+        return self.parallel.tensor * self.parallel.expert * self.parallel.pipeline * self.parallel.context
 
     @property
     def total_ranks(self) -> int:

@@ -43,9 +43,9 @@ def cluster_problems(config: Config, info: ModelInfo | None = None) -> list[str]
     (several replicas share a node, none is split over two)."""
     p, cluster = config.parallel, config.cluster
     world = config.total_ranks
-    sizes = f"parallel.tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {config.world_size}"
+    sizes = f"{p.sizes()} = {config.world_size}"
     if p.data > 1:
-        sizes = f"parallel.data x tensor x pipeline x context = {p.data} x {p.tensor} x {p.pipeline} x {p.context} = {world}"
+        sizes = f"{p.sizes(with_data=True)} = {world}"
     if cluster.ranks_per_node is None and world % cluster.nodes:
         return [f"cluster.nodes={cluster.nodes} does not divide the world size ({sizes}) "
                 f"(try cluster.nodes {_or_list(divisors(world))}, or set cluster.ranks_per_node)"]
@@ -61,8 +61,8 @@ def cluster_problems(config: Config, info: ModelInfo | None = None) -> list[str]
                         f"cross nodes; try parallel.tensor {_or_list(fits)} with more pipeline stages, or more "
                         f"ranks per node)")
     if p.data > 1 and not problems and per_node % config.world_size:
-        problems.append(f"parallel.data={p.data}: a replica of {config.world_size} ranks (parallel.tensor x pipeline x "
-                        f"context) does not fit whole in cluster.ranks_per_node={per_node}: each replica runs on one "
+        problems.append(f"parallel.data={p.data}: a replica of {config.world_size} ranks ({p.sizes().split(' = ')[0]}) "
+                        f"does not fit whole in cluster.ranks_per_node={per_node}: each replica runs on one "
                         f"node (set cluster.ranks_per_node to a multiple of {config.world_size})")
     return problems
 
@@ -179,6 +179,38 @@ def quantization_problems(config: Config, info: ModelInfo, cpu: CpuFeatures | No
             f"(use model.quantization=int8)" for name, size in inputs.items() if size % 32]
 
 
+def expert_problems(config: Config, info: ModelInfo) -> list[str]:
+    """parallel.expert splits the experts of a mixture-of-experts model evenly; each expert's
+    intermediate dimension (and the shared expert's) is split over parallel.tensor."""
+    p, moe = config.parallel, info.moe
+    if moe is None:
+        return [f"parallel.expert={p.expert} splits the experts of a mixture-of-experts model, but {info.architecture} "
+                f"has none (use parallel.expert=1)"] if p.expert > 1 else []
+    problems = []
+    if moe.num_experts % p.expert:
+        problems.append(f"parallel.expert={p.expert} does not divide num_experts={moe.num_experts} "
+                        f"(try {_or_list(divisors(moe.num_experts))})")
+    for name, size in (("moe_intermediate_size", moe.intermediate_size),
+                       ("shared_expert_intermediate_size", moe.shared_expert_intermediate_size)):
+        if size % p.tensor:
+            problems.append(f"parallel.tensor={p.tensor} does not divide {name}={size}")
+    if p.expert > 1 and p.context > 1:
+        problems.append(f"parallel.expert={p.expert} with parallel.context={p.context}: expert parallelism runs "
+                        f"with tensor and pipeline parallelism only (set parallel.context=1)")
+    quantization = config.model.quantization
+    if quantization == "w8a8":
+        problems.append("model.quantization=w8a8 calibrates its smoothing on dense MLPs; the experts of "
+                        f"{info.architecture} would go uncalibrated (use model.quantization=int8 or int4)")
+    elif quantization == "int4" and (moe.intermediate_size // p.tensor) % 32:
+        problems.append(f"model.quantization=int4 quantizes groups of 32 inputs, but moe_intermediate_size / "
+                        f"parallel.tensor = {moe.intermediate_size // p.tensor} is not a multiple of 32 "
+                        f"(use model.quantization=int8)")
+    if config.device.compile:
+        problems.append(f"device.compile=true with the experts of {info.architecture}: which experts run depends on "
+                        f"the data, which the compiled decode step cannot trace (set device.compile=false)")
+    return problems
+
+
 def draft_config(config: Config, info: ModelInfo) -> Config:
     """The config the draft model (speculative.method=draft) runs under: one rank on the
     driver, its own dtype, quantization and KV cache, the target's context length and tokenizer."""
@@ -292,6 +324,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
     problems += kv_cache_problems(config)
     problems += speculative_problems(config, info)
     problems += disaggregation_problems(config)
+    problems += expert_problems(config, info)
     if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "

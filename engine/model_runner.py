@@ -22,6 +22,7 @@ from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
 from meshserve.layers import prompt_logprobs
 from meshserve.layers.loader import build_model
+from meshserve.layers.moe import FusedMoE
 from meshserve.layers.prompt_logprobs import PromptSpan
 from meshserve.layers.sampler import Sampler, SamplingRow
 from meshserve.parallel.context import rank_share
@@ -101,7 +102,7 @@ class ModelRunner:
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
                                  show_progress=show_progress, cp=groups.cp,
                                  backend=select_backend(kernels, self.device, cpu_isa), quantization=memory.quantization,
-                                 calibration=calibration)
+                                 calibration=calibration, ep=groups.ep)
         self.sender = StageSender(groups.pp)
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -259,7 +260,12 @@ class ModelRunner:
     def rank_stats(self, wall_seconds: float, steps: int) -> RankStats:
         rss, peak = resident_memory()
         return RankStats(self.groups.global_rank, self.busy_seconds(), wall_seconds, steps, rss, peak,
-                         self.ready_rss_bytes, self.groups.cp.timer.seconds, self.groups.cp.timer.exposed_seconds)
+                         self.ready_rss_bytes, self.groups.cp.timer.seconds, self.groups.cp.timer.exposed_seconds,
+                         self.expert_tokens(), self.groups.ep.timer.seconds)
+
+    def expert_tokens(self) -> int:
+        """(token, expert) pairs this rank's experts have computed (layers.moe), all layers."""
+        return sum(m.tokens_computed for m in self.model.modules() if isinstance(m, FusedMoE))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:

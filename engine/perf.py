@@ -70,16 +70,18 @@ class ModelCost:
     @property
     def matmul_params(self) -> int:
         """Parameters used as matmul weights per token: every linear plus the LM head
-        (the embedding lookup reads one row, not the matrix)."""
+        (the embedding lookup reads one row, not the matrix); of a mixture of experts, only
+        the experts a token is routed to (its active parameters)."""
         i = self.info
-        return i.num_parameters - (0 if i.tie_word_embeddings else i.vocab_size * i.hidden_size)
+        return i.num_active_parameters - (0 if i.tie_word_embeddings else i.vocab_size * i.hidden_size)
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights read by one decode step."""
+        """Bytes of weights read by a decode step of one token (of a mixture of experts, its
+        active experts: a batch reads more of them, up to all)."""
         i = self.info
         head = i.vocab_size * i.hidden_size
-        layers = i.num_hidden_layers * i.layer_parameters + i.hidden_size  # and the final norm
+        layers = i.num_hidden_layers * i.active_layer_parameters + i.hidden_size  # and the final norm
         return int(layers * matmul_bytes_per_param(self.quantization, self.dtype_bytes)
                    + head * matmul_bytes_per_param(head_quantization(self.quantization), self.dtype_bytes))
 

@@ -167,6 +167,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"# model: {info.architecture} ({info.format}) {info.num_hidden_layers} layers, hidden {info.hidden_size}, "
           f"{info.num_attention_heads} heads / {info.num_key_value_heads} KV heads, vocab {info.vocab_size}, "
           f"{info.num_parameters / 1e6:.1f}M parameters")
+    if info.moe is not None:
+        m = info.moe
+        print(f"# experts: {m.num_experts} per MoE layer ({len(m.sparse_layers)} of {info.num_hidden_layers} layers), "
+              f"top {m.num_experts_per_tok}, {m.num_experts // config.parallel.expert} per rank "
+              f"(parallel.expert={config.parallel.expert}); {info.num_active_parameters / 1e6:.1f}M active "
+              f"parameters per token (what MFU/MBU count)")
     print(f"# memory plan per rank ({memory.dtype}, world size {config.world_size}):")
     print(f"#   weights:           {_mib(memory.weight_bytes)}")
     print(f"#   KV per token:      {memory.kv_bytes_per_token} bytes")

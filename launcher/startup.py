@@ -74,8 +74,8 @@ def world_problems(config: Config, env: RankEnv, facts: list[RankFacts]) -> list
     p = config.parallel
     problems = []
     if env.world_size != config.world_size:
-        problems.append(f"{env.launcher} started {env.world_size} ranks but the config needs parallel.tensor x "
-                        f"pipeline x context = {p.tensor} x {p.pipeline} x {p.context} = {config.world_size}")
+        problems.append(f"{env.launcher} started {env.world_size} ranks but the config needs {p.sizes()} = "
+                        f"{config.world_size}")
     local = sorted({f.local_world_size for f in facts})
     if not problems and local != [config.ranks_per_node]:
         problems.append(f"{env.launcher} started {' or '.join(map(str, local))} ranks per node but the config has "
@@ -114,7 +114,8 @@ def start_world(config: Config, env: RankEnv, shm_slot_bytes: int = 0) -> Groups
     problems = world_problems(config, env, facts)
     if problems:
         raise StartupError(f"{where}: " + "; ".join(problems))
-    topology = Topology(config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
+    topology = Topology(config.parallel.tensor, config.parallel.pipeline, config.parallel.context,
+                        config.parallel.expert)
     return init_process_groups(topology, env.global_rank, env.master_addr, env.master_port, config.device.type,
                                env.local_rank, shm_slot_bytes=shm_slot_bytes)
 

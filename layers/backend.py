@@ -91,6 +91,11 @@ class Backend:
     silu_and_mul = staticmethod(activation.silu_and_mul)
     """x (num_tokens, 2n) = [gate, up] -> silu(gate) * up."""
 
+    fused_moe = None
+    """A MoE layer's experts in one fused kernel, fused_moe(x, w13, w2, topk_ids,
+    topk_weights) (layers/kernels/fused_moe.py); None: layers.moe groups the tokens by
+    expert and multiplies each expert's in one matmul."""
+
     def summary(self, head_dim: int) -> str:
         """What computes attention and the norms, for the start-up line (kernel_summary)."""
         return f"attention, norm/act: {self.name} backend"
@@ -126,6 +131,7 @@ class ContextParallelBackend(Backend):
         self.inner, self.cp = inner, cp
         self.name = inner.name
         self.rms_norm, self.rotary, self.silu_and_mul = inner.rms_norm, inner.rotary, inner.silu_and_mul
+        self.fused_moe = inner.fused_moe
 
     def attention(self, q, k, v, kv_cache, meta: context_attention.ContextParallelMetadata, scale: float):
         return context_attention.cp_attention(q, k, v, kv_cache, meta, self.cp, scale, self.inner)

@@ -4,6 +4,11 @@ RoPE, optional QKV bias, tied or untied embeddings.
 The model works on a flat batch of new tokens from many sequences, (num_tokens, ...),
 with no padding. It holds the layers of one pipeline stage: the embedding only on the
 first stage, the final norm and LM head only on the last.
+
+The other families (layers/qwen3.py, layers/mixtral.py, layers/qwen2_moe.py) are this
+model with another attention or MLP: a subclass of LlamaForCausalLM overrides
+`make_attention` / `make_mlp` and, for experts, names their checkpoint tensors
+(`EXPERT_PARTS`, `MOE_BLOCK`).
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from meshserve.layers.attention import PagedAttention
 from meshserve.layers.backend import Backend, StepMetadata, TorchBackend
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from meshserve.layers.moe import DOWN, FusedMoE
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+"""One expert's matrix, its layer already local: (layer, block, expert, part)."""
 
 # Checkpoint tensors that land in one of our fused parameters: (ours, theirs, shard id).
 STACKED_PARAMS = (
@@ -49,13 +58,17 @@ class LlamaAttention(nn.Module):
         self.head_dim = info.head_dim
         self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim, backend=self.backend)
 
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before rotary: nothing here (Qwen3 normalizes each head)."""
+        return q, k
+
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(-1, self.local_num_heads, self.head_dim)  # (num_tokens, local_num_heads, head_dim)
         k = k.view(-1, self.local_num_kv_heads, self.head_dim)  # (num_tokens, local_num_kv_heads, head_dim)
         v = v.view(-1, self.local_num_kv_heads, self.head_dim)
-        q, k = self.backend.rotary(rope, q, k)
+        q, k = self.backend.rotary(rope, *self.norm_heads(q, k))
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.flatten(1))  # (num_tokens, hidden_size)
 
@@ -63,24 +76,31 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); one all-reduce, in down_proj (row-parallel)."""
 
-    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, backend: Backend | None = None):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, backend: Backend | None = None,
+                 intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(info.hidden_size, [info.intermediate_size] * 2, tp, dtype=dtype)
-        self.down_proj = RowParallelLinear(info.intermediate_size, info.hidden_size, tp, dtype=dtype)
+        intermediate_size = intermediate_size or info.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(info.hidden_size, [intermediate_size] * 2, tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, info.hidden_size, tp, dtype=dtype)
         self.act = (backend or TorchBackend()).silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up: (num_tokens, 2 * local_intermediate_size), gate then up
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This tp rank's partial sum of the output: `forward` without its all-reduce."""
+        return self.down_proj.matmul(self.act(self.gate_up_proj(x)))
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, backend: Backend | None = None):
+    def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, backend: Backend | None = None,
+                 attention: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend)
-        self.self_attn = LlamaAttention(info, tp, dtype, backend)
+        self.self_attn = attention or LlamaAttention(info, tp, dtype, backend)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend)
-        self.mlp = LlamaMLP(info, tp, dtype, backend)
+        self.mlp = mlp or LlamaMLP(info, tp, dtype, backend)
 
     def forward(self, rope, hidden, residual, kv_cache: KVCache, meta: StepMetadata):
         if residual is None:
@@ -94,12 +114,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, layer_range: tuple[int, int],
-                 has_embedding: bool, has_head: bool, max_position: int, backend: Backend | None = None):
+                 has_embedding: bool, has_head: bool, max_position: int, make_layer, backend: Backend | None = None):
+        """`make_layer(i)`: the decoder layer of global index i."""
         super().__init__()
         self.layer_start, self.layer_end = layer_range
         self.embed_tokens = VocabParallelEmbedding(info.vocab_size, info.hidden_size, tp, dtype) if has_embedding else None
         self.rotary = RotaryEmbedding(info.head_dim, max_position, info.rope_theta, info.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(info, tp, dtype, backend) for _ in range(*layer_range))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(*layer_range))
         self.dtype = dtype
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend) if has_head else None
         self.layer_hook = None
@@ -123,20 +144,42 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    EXPERT_PARTS: dict[str, int] = {}
+    """Checkpoint names of an expert's matrices -> layers.moe GATE | UP | DOWN."""
+    MOE_BLOCK = "mlp"
+    """The checkpoint's name of a layer's MoE block (Mixtral: block_sparse_moe); ours is `mlp`."""
+
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, *, layer_range: tuple[int, int] | None = None,
                  is_first_stage: bool = True, is_last_stage: bool = True, max_position: int | None = None,
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, ep: AxisGroup | None = None):
+        """`ep`: the expert-parallel group of the MoE layers (layers.moe); none for a dense model."""
         super().__init__()
         self.info = info
         self.backend = backend or TorchBackend()
         """Computes attention, norms and rotary; builds the attention metadata of a step."""
+        self.tp, self.ep = tp, ep or AxisGroup.single("ep")
         layer_range = layer_range or (0, info.num_hidden_layers)
+
+        def make_layer(i: int) -> LlamaDecoderLayer:
+            return LlamaDecoderLayer(info, tp, dtype, self.backend, self.make_attention(dtype),
+                                     self.make_mlp(i, dtype))
+
         self.model = LlamaModel(info, tp, dtype, layer_range, is_first_stage, is_last_stage,
-                                max_position or info.max_position_embeddings, self.backend)
+                                max_position or info.max_position_embeddings, make_layer, self.backend)
         self.lm_head = None
         if is_last_stage:
             tied = self.model.embed_tokens if info.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(info.vocab_size, info.hidden_size, tp, dtype, tied_to=tied)
+
+    def make_attention(self, dtype: torch.dtype) -> nn.Module:
+        return LlamaAttention(self.info, self.tp, dtype, self.backend)
+
+    def make_mlp(self, layer: int, dtype: torch.dtype) -> nn.Module:
+        """The MLP of global layer `layer`: a block of experts where the model has one there."""
+        moe = self.info.moe
+        if moe is not None and layer in moe.sparse_layers:
+            return FusedMoE(self.info.hidden_size, moe, self.tp, self.ep, dtype, self.backend)
+        return LlamaMLP(self.info, self.tp, dtype, self.backend)
 
     @property
     def num_local_layers(self) -> int:
@@ -170,6 +213,13 @@ class LlamaForCausalLM(nn.Module):
             return None
         elif name == "model.norm.weight" and self.model.norm is None:
             return None
+        expert = EXPERT.fullmatch(name)
+        if expert and expert.group(2) == self.MOE_BLOCK and expert.group(4) in self.EXPERT_PARTS:
+            layer, _, index, part = expert.groups()
+            shard = (int(index), self.EXPERT_PARTS[part])
+            return f"model.layers.{layer}.mlp.{'w2' if shard[1] == DOWN else 'w13'}", shard
+        if f".{self.MOE_BLOCK}.gate." in name:  # the router
+            return name.replace(f".{self.MOE_BLOCK}.gate.", ".mlp.gate."), None
         for ours, theirs, shard in STACKED_PARAMS:
             if f".{theirs}." in name:
                 return name.replace(f".{theirs}.", f".{ours}."), shard

@@ -13,10 +13,20 @@ from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.backend import ContextParallelBackend, TorchBackend
 from meshserve.layers.embedding import ParallelLMHead
 from meshserve.layers.llama import LlamaForCausalLM
+from meshserve.layers.mixtral import MixtralForCausalLM
+from meshserve.layers.qwen2_moe import Qwen2MoeForCausalLM
+from meshserve.layers.qwen3 import Qwen3ForCausalLM
 from meshserve.layers.smoothquant import smooth
 from meshserve.layers.weights import iter_checkpoint
 
 log = logging.getLogger(__name__)
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM,
+}
+"""ModelInfo.architecture (Hugging Face model_type) -> the model's class."""
 
 
 def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool = False) -> None:
@@ -43,10 +53,12 @@ def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool =
 def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device | str = "cpu",
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
                 max_position: int | None = None, show_progress: bool = False, cp=None,
-                backend=None, quantization: str = "none", calibration: list[int] | None = None) -> LlamaForCausalLM:
+                backend=None, quantization: str = "none", calibration: list[int] | None = None,
+                ep=None) -> LlamaForCausalLM:
     """`backend`: the kernel backend (meshserve.layers.backend); default torch. With a
     context-parallel group `cp` of several ranks, the model's attention runs over it
-    (layers.backend.ContextParallelBackend around `backend`).
+    (layers.backend.ContextParallelBackend around `backend`). `ep`: the expert-parallel
+    group of a mixture-of-experts model (layers.moe).
 
     `quantization` (none | int8 | int4, meshserve.layers.quant): the weights are read in
     float32 (a Q4_1 GGUF's codes survive exactly), the linear layers quantized, then the
@@ -57,8 +69,9 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
     if cp is not None and cp.size > 1:
         backend = ContextParallelBackend(backend or TorchBackend(), cp)
     with torch.device(device):
-        model = LlamaForCausalLM(info, tp, load_dtype, layer_range=layer_range, is_first_stage=is_first_stage,
-                                 is_last_stage=is_last_stage, max_position=max_position, backend=backend)
+        model = MODEL_CLASSES[info.architecture](info, tp, load_dtype, layer_range=layer_range,
+                                                 is_first_stage=is_first_stage, is_last_stage=is_last_stage,
+                                                 max_position=max_position, backend=backend, ep=ep)
     load_weights(model, info, show_progress)
     if quantization == "w8a8":
         if not calibration:

@@ -17,7 +17,7 @@ from meshserve.parallel.topology import Groups, Topology
 def init_process_groups(topology: Topology, global_rank: int, master_addr: str, master_port: int,
                         device_type: str = "cpu", local_rank: int = 0, timeout_s: float = 300.0,
                         shm_slot_bytes: int = 0) -> Groups:
-    """Join the world and build every tp / cp / pp group (every rank creates every group,
+    """Join the world and build every tp / ep / cp / pp group (every rank creates every group,
     in the same order, as torch.distributed requires). Device groups use NCCL on CUDA
     (device = local rank) and gloo on CPU; each axis also gets a gloo group for host tensors.
     On CPU, with `shm_slot_bytes`, the TP group (always inside one node) also gets a
@@ -29,7 +29,7 @@ def init_process_groups(topology: Topology, global_rank: int, master_addr: str, 
         join_world(global_rank, topology.world_size, master_addr, master_port, device_type, local_rank, timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     axes = {}
-    for axis in ("tp", "cp", "pp"):
+    for axis in ("tp", "ep", "cp", "pp"):
         mine = topology.axis_ranks(global_rank, axis)
         for ranks in topology.all_axis_groups(axis):
             device_group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
@@ -39,7 +39,7 @@ def init_process_groups(topology: Topology, global_rank: int, master_addr: str, 
                 axes[axis] = AxisGroup(axis, len(ranks), ranks.index(global_rank), ranks, device_group, cpu_group)
     if device_type == "cpu" and shm_slot_bytes and axes["tp"].size > 1:
         axes["tp"] = _with_shm(axes["tp"], shm_slot_bytes, timeout_s)
-    return Groups(global_rank, topology.world_size, axes["tp"], axes["pp"], axes["cp"])
+    return Groups(global_rank, topology.world_size, axes["tp"], axes["pp"], axes["cp"], axes["ep"])
 
 
 def join_world(global_rank: int, world_size: int, master_addr: str, master_port: int, device_type: str = "cpu",

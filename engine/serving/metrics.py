@@ -127,6 +127,12 @@ class EngineMetrics:
                                        ["rank"], registry=r)
         self.rank_memory = Gauge(PREFIX + "rank_resident_memory_bytes", "Resident memory of each rank", ["rank"],
                                  registry=r)
+        self.expert_tokens = Gauge(PREFIX + "expert_tokens", "(token, expert) pairs each rank's experts computed "
+                                   "(mixture-of-experts models; grows like a counter: the expert-parallel load)",
+                                   ["rank"], registry=r)
+        self.expert_comm_seconds = Gauge(PREFIX + "expert_comm_seconds", "Seconds each rank spent exchanging tokens "
+                                         "over its expert-parallel group (all-to-all and all-gather)", ["rank"],
+                                         registry=r)
         self.spec_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Sequence-steps that verified proposed tokens",
                                    registry=r)
         self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Proposed tokens verified",
@@ -270,6 +276,9 @@ class EngineMetrics:
             if stats.wall_seconds > 0:
                 self.rank_busy.labels(str(rank)).set(stats.busy_seconds / stats.wall_seconds)
             self.rank_memory.labels(str(rank)).set(stats.rss_bytes)
+            if stats.expert_tokens:
+                self.expert_tokens.labels(str(rank)).set(stats.expert_tokens)
+                self.expert_comm_seconds.labels(str(rank)).set(stats.ep_seconds)
 
 
 def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_flops: float | None,

@@ -16,6 +16,7 @@ import torch
 
 from meshserve.layers.attention import DECODE_ROWS, starts_and_slots
 from meshserve.layers.backend import Backend
+from meshserve.layers.kernels.fused_moe import fused_moe
 from meshserve.layers.kernels.decode_attention import block_n_for, choose_num_splits, paged_decode_attention
 from meshserve.layers.kernels.prefill_attention import prefill_attention
 from meshserve.layers.kernels.rms_norm import rms_norm
@@ -95,8 +96,8 @@ def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tabl
 
 
 class TritonBackend(Backend):
-    """Attention, RMSNorm (+ residual) and rotary as Triton kernels (CUDA; on CPU only
-    under TRITON_INTERPRET=1)."""
+    """Attention, RMSNorm (+ residual), rotary and the experts of a MoE layer as Triton
+    kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
 
     name = "triton"
 
@@ -134,6 +135,7 @@ class TritonBackend(Backend):
         return out, lse
 
     rms_norm = staticmethod(rms_norm)
+    fused_moe = staticmethod(fused_moe)
 
     @staticmethod
     def rotary(rope, q, k):

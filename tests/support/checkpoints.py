@@ -30,7 +30,17 @@ KINDS = {
     "llama-mha": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=False)),
     "llama-6h": ("LlamaConfig", dict(hidden_size=96, intermediate_size=192, num_attention_heads=6,
                                      num_key_value_heads=3, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),
+    # Experts: 8, top 2, layer 1 dense (mlp_only_layers), renormalized top-k probabilities.
+    "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                         norm_topk_prob=False)),
 }
+MOE_KINDS = ("qwen3-moe", "mixtral", "qwen2-moe")
 
 
 def smollm2_path() -> Path | None:
@@ -62,7 +72,7 @@ def make_checkpoint(directory: Path, kind: str = "llama", seed: int = 0, tokeniz
     config = getattr(transformers, cls_name)(**{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if kind == "qwen2":  # random biases, so a missing bias would show
+    if kind in ("qwen2", "qwen2-moe"):  # random biases, so a missing bias would show
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -51,9 +51,10 @@ def test_kernel_matches_reference(kernel_results, name, dtype):
     assert not bad, f"{name} ({dtype}): " + "; ".join(bad)
 
 
-def test_model_with_triton_backend_matches_torch(tiny_checkpoints):
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])  # qwen3-moe: per-head q/k norms, the fused MoE kernel
+def test_model_with_triton_backend_matches_torch(tiny_checkpoints, kind):
     # float32 only: the kernels' float16 paths are checked above, and each run costs seconds here
-    r = interpret("model", "--model-path", str(tiny_checkpoints["llama"]), "--dtypes", "float32")["float32"]
+    r = interpret("model", "--model-path", str(tiny_checkpoints[kind]), "--dtypes", "float32")["float32"]
     assert r["triton"] == r["torch"], "greedy tokens differ"
     assert len(r["torch"]) == 3 and all(len(t) == 6 for t in r["torch"])
     assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"], (r["logits_max_diff"], r["logits_scale"])

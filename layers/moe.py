@@ -1,0 +1,194 @@
+"""The mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE), with expert parallelism.
+
+    y = sum_{j < k} p_j * E_{e_j}(x),   E_e(x) = W2_e (silu(W1_e x) * W3_e x)
+
+where (e_j, p_j) are the k experts with the highest router probability softmax(G x), their
+probabilities renormalized to sum to 1 when the model says so (`norm_topk_prob`).
+
+Sharding. Expert e lives on member e // local_num_experts of the `ep` group; inside it, each
+expert's intermediate dimension is split over `tp` as a dense MLP's is (W1, W3 by rows, W2 by
+columns), so every tp member returns a partial sum and one all-reduce over `tp` finishes the
+block. Attention stays replicated over `ep` (every member of an ep group holds the same
+tokens); the block splits them: member r routes its 1/ep slice of the tokens, sends each
+(token, expert) pair to the member holding the expert (all-to-all), computes what it
+received, sends the results back (all-to-all), combines its slice, and an all-gather over
+`ep` gives every member all the tokens again.
+
+Compute. A member sorts its (token, expert) pairs by expert and multiplies each expert's
+tokens in one matmul (W1 and W3 fused, as gate_up_proj) by the weight as stored, packed or
+quantized (model.quantization int8 / int4, meshserve.layers.quant); with the Triton backend,
+one fused kernel (layers/kernels/fused_moe.py) does the grouped matmuls of every expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.comm.collectives import all_gather_rows, all_to_all_rows, exchange_counts, reduce_from_tp
+from meshserve.comm.groups import AxisGroup
+from meshserve.configs.model_info import MoEInfo
+from meshserve.layers.activation import silu_and_mul
+from meshserve.layers.linear import ReplicatedLinear
+from meshserve.layers.matmul import prepared_matmul
+from meshserve.layers.weights import CheckpointTensor
+
+GATE, UP, DOWN = 0, 1, 2
+"""The shard ids of an expert's checkpoint tensors (with the expert's global index)."""
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, num_experts) router logits -> (weights float32, expert ids int64), each
+    (num_tokens, top_k), most probable first.
+
+    NOTE: ties go to the lower expert index (a stable sort), the same on every rank and
+    device; torch.topk leaves their order unspecified."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def token_slices(num_tokens: int, size: int) -> list[int]:
+    """How many of a step's tokens each of `size` members routes (the first ones one more)."""
+    base, extra = divmod(num_tokens, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+class Router(ReplicatedLinear):
+    """The gate G (num_experts x hidden), whole on every rank. Never quantized: a coarser
+    router would send tokens to other experts."""
+
+    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
+        super().pack_weight("none", act_dtype)
+
+
+class FusedMoE(nn.Module):
+    """Router, top-k, the experts of this rank and the combine. `forward` all-reduces over
+    `tp`; `partial` leaves that to the caller (a shared expert adds its own partial sum
+    first). With ep > 1, `partial` exchanges tokens over `ep` (all-to-all, then all-gather)."""
+
+    def __init__(self, hidden_size: int, moe: MoEInfo, tp: AxisGroup, ep: AxisGroup, dtype: torch.dtype,
+                 backend=None):
+        super().__init__()
+        if moe.num_experts % ep.size:
+            raise ValueError(f"num_experts={moe.num_experts} is not divisible by ep_size={ep.size}")
+        if moe.intermediate_size % tp.size:
+            raise ValueError(f"moe_intermediate_size={moe.intermediate_size} is not divisible by tp_size={tp.size}")
+        self.tp, self.ep = tp, ep
+        self.hidden_size, self.top_k, self.renormalize = hidden_size, moe.num_experts_per_tok, moe.norm_topk_prob
+        self.local_num_experts = moe.num_experts // ep.size
+        self.expert_start = ep.rank * self.local_num_experts
+        self.local_intermediate_size = moe.intermediate_size // tp.size
+        self.gate = Router(hidden_size, moe.num_experts, bias=False, dtype=dtype)
+        e, i = self.local_num_experts, self.local_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        """(local_num_experts, 2 * local_intermediate_size, hidden): W1 (gate) rows, then W3 (up)."""
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        """(local_num_experts, hidden, local_intermediate_size): W2 (down)."""
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.act = silu_and_mul if backend is None else backend.silu_and_mul
+        self.fused = getattr(backend, "fused_moe", None)
+        """The backend's fused kernel (Triton), used while the weights are stored as loaded."""
+        self.packed: list[tuple] | None = None
+        """Per local expert, (W13 multiply, W2 multiply) once packed or quantized."""
+        self.tokens_computed = 0
+        """(token, expert) pairs this rank's experts computed: its share of the expert load."""
+
+    def holds(self, expert: int) -> bool:
+        return self.expert_start <= expert < self.expert_start + self.local_num_experts
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: tuple[int, int]) -> None:
+        """`shard_id` (expert, GATE | UP | DOWN): narrows the expert's tensor to this tp
+        rank's slice of the intermediate dimension; experts of other ep ranks are skipped
+        unread."""
+        expert, part = shard_id
+        if not self.holds(expert):
+            return
+        e, i = expert - self.expert_start, self.local_intermediate_size
+        if part == DOWN:
+            target, source = param[e], loaded.narrow(1, self.tp.rank * i, i)
+        else:
+            target, source = param[e, part * i:(part + 1) * i], loaded.narrow(0, self.tp.rank * i, i)
+        tensor = source.load()
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"expert {expert}: checkpoint shard has shape {tuple(tensor.shape)}, "
+                             f"parameter expects {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
+        """After loading: per expert, a quantized (int8 | int4) or packed copy where one
+        exists (unless the backend's fused kernel takes them unquantized); the stored
+        weights are then freed."""
+        if self.packed is not None or (self.fused is not None and quantization == "none"):
+            return  # the fused kernel reads the weights as loaded
+        packed = [(prepared_matmul(self.w13[e], quantization, act_dtype), prepared_matmul(self.w2[e], quantization, act_dtype))
+                  for e in range(self.local_num_experts)]
+        if all(a is not None and b is not None for a, b in packed):
+            self.packed = packed
+            self.w13.data = self.w13.data.new_empty(0)
+            self.w2.data = self.w2.data.new_empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduces the output over `tp`. (num_tokens, hidden) -> (num_tokens, hidden)."""
+        return reduce_from_tp(self.partial(x), self.tp)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This tp rank's partial sum of the block's output for every token (exchanges
+        tokens over `ep` when it has several members)."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.ep.size == 1:
+            return self.experts(x, ids, weights)
+        counts = token_slices(x.shape[0], self.ep.size)
+        start = sum(counts[: self.ep.rank])
+        end = start + counts[self.ep.rank]
+        mine = self._dispatch_and_combine(x[start:end], ids[start:end], weights[start:end])
+        return all_gather_rows(mine, counts, self.ep)
+
+    def _dispatch_and_combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """All-to-all over `ep`, twice: each (token, expert) pair of this slice goes to the
+        member holding the expert, and its result comes back to be combined here."""
+        owner = ids.flatten() // self.local_num_experts  # (pairs,)
+        order = torch.argsort(owner, stable=True)
+        rows = order // self.top_k  # the token of each pair, pairs grouped by owner
+        send_counts = torch.bincount(owner, minlength=self.ep.size)
+        recv_counts = exchange_counts(send_counts, self.ep)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        local_ids = (ids.flatten()[order] - owner[order] * self.local_num_experts).unsqueeze(1)
+        got_x = all_to_all_rows(x[rows], send, recv, self.ep)
+        got_ids = all_to_all_rows(local_ids, send, recv, self.ep)
+        done = self.experts(got_x, got_ids, torch.ones(got_ids.shape, dtype=torch.float32, device=x.device))
+        back = all_to_all_rows(done, recv, send, self.ep)  # (pairs, hidden), in `order`
+        out = torch.zeros_like(x)
+        return out.index_add_(0, rows, back * weights.flatten()[order].unsqueeze(1).to(back.dtype))
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * E_{ids[t, j]}(x[t]) with this rank's experts (local ids),
+        as a partial sum over `tp`. x (n, hidden); ids, weights (n, k)."""
+        self.tokens_computed += ids.numel()
+        if self.fused is not None and self.packed is None:
+            return self.fused(x, self.w13, self.w2, ids, weights)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = order // k
+        counts = torch.bincount(flat, minlength=self.local_num_experts).tolist()
+        grouped = x[rows]  # (pairs, hidden), grouped by expert
+        out = torch.empty_like(grouped)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self._expert(e, grouped[start:start + n])
+                start += n
+        combined = torch.zeros_like(x)
+        return combined.index_add_(0, rows, out * weights.flatten()[order].unsqueeze(1).to(out.dtype))
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            up, down = self.packed[e]
+            return down(self.act(up(x)))
+        return F.linear(self.act(F.linear(x, self.w13[e])), self.w2[e])
