@@ -21,7 +21,10 @@ BUILTIN_MODELS = {
 }
 
 SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe")
+GGUF_ARCH_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+"""GGUF architectures whose Hugging Face model_type is spelled otherwise (a Mixtral GGUF is
+`llama` with expert tensors)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -303,13 +306,25 @@ def _from_gguf(f: Path) -> ModelInfo:
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     eos = meta.get("tokenizer.ggml.eos_token_id")
     vocab = key("vocab_size") or meta.get("tokenizer.ggml.tokens.count")
+    layers = int(key("block_count"))
+    moe = None
+    if key("expert_count"):
+        experts, top_k = int(key("expert_count")), int(key("expert_used_count"))
+        if "blk.0.ffn_gate_exps.weight" not in tensor_names:
+            raise ConfigError(f"{f}: {experts} experts stored as one tensor each (an old Mixtral GGUF); convert it "
+                              f"again with llama.cpp's convert_hf_to_gguf.py, which merges them (ffn_*_exps)")
+        sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensor_names)
+        # llama.cpp renormalizes the top-k probabilities of Mixtral and Qwen3-MoE, not Qwen2-MoE's.
+        moe = MoEInfo(experts, top_k, int(key("expert_feed_forward_length", key("feed_forward_length"))),
+                      arch != "qwen2moe", sparse, int(key("expert_shared_feed_forward_length", 0)))
+    architecture = "mixtral" if arch == "llama" and moe is not None else GGUF_ARCH_TYPES.get(arch, arch)
     return ModelInfo(
-        architecture=arch,
+        architecture=architecture,
         format="gguf",
         path=str(f),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
         head_dim=int(key("attention.key_length", hidden // heads)),
@@ -322,5 +337,7 @@ def _from_gguf(f: Path) -> ModelInfo:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         eos_token_ids=_eos_ids(eos),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        moe=moe,
         extra={"rope_freqs": "rope_freqs.weight" in tensor_names},
     )

@@ -58,6 +58,19 @@ def token_slices(num_tokens: int, size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
+def combine(pairs: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * out[t, j] from the pairs' outputs in sorted `order`
+    (pairs[i] belongs to flat pair order[i]); (pairs, hidden) -> (num_tokens, hidden).
+
+    NOTE: a gather back to (token, slot) order and one batched product, not index_add_:
+    its CPU kernel took 40 ms for 64 rows of 512 on 2 busy cores."""
+    num_tokens, k = weights.shape
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_slot = pairs[inverse].view(num_tokens, k, pairs.shape[-1])  # (num_tokens, k, hidden)
+    return torch.bmm(weights.to(pairs.dtype).unsqueeze(1), per_slot).squeeze(1)
+
+
 class Router(ReplicatedLinear):
     """The gate G (num_experts x hidden), whole on every rank. Never quantized: a coarser
     router would send tokens to other experts."""
@@ -163,8 +176,7 @@ class FusedMoE(nn.Module):
         got_ids = all_to_all_rows(local_ids, send, recv, self.ep)
         done = self.experts(got_x, got_ids, torch.ones(got_ids.shape, dtype=torch.float32, device=x.device))
         back = all_to_all_rows(done, recv, send, self.ep)  # (pairs, hidden), in `order`
-        out = torch.zeros_like(x)
-        return out.index_add_(0, rows, back * weights.flatten()[order].unsqueeze(1).to(back.dtype))
+        return combine(back, order, weights)
 
     def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * E_{ids[t, j]}(x[t]) with this rank's experts (local ids),
@@ -184,8 +196,7 @@ class FusedMoE(nn.Module):
             if n:
                 out[start:start + n] = self._expert(e, grouped[start:start + n])
                 start += n
-        combined = torch.zeros_like(x)
-        return combined.index_add_(0, rows, out * weights.flatten()[order].unsqueeze(1).to(out.dtype))
+        return combine(out, order, weights)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -143,7 +143,17 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+"""3-D tensors (experts, rows, columns): one Hugging Face tensor per expert."""
+_MIXTRAL_NAMES = {"mlp.gate.": "block_sparse_moe.gate.", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -167,15 +177,34 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return idx.swapaxes(1, 2).reshape(-1)
 
 
+def _iter_gguf_experts(info: ModelInfo, t) -> Iterator[tuple[str, CheckpointTensor]]:
+    """A 3-D expert tensor as one 2-D tensor per expert (each expert's rows are stored
+    apart, so a rank reads only its experts' bytes)."""
+    layer, part = _BLOCK.fullmatch(t.name).groups()[:2]
+    experts, rows, cols = (int(n) for n in reversed(t.shape))
+    for e in range(experts):
+        if info.architecture == "mixtral":
+            name = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{_MIXTRAL_NAMES[_GGUF_EXPERTS[part]]}.weight"
+        else:
+            name = f"model.layers.{layer}.mlp.experts.{e}.{_GGUF_EXPERTS[part]}.weight"
+        yield name, GGUFTensor(t.data[e], t.tensor_type, (rows, cols))
+
+
 def _iter_gguf(info: ModelInfo) -> Iterator[tuple[str, CheckpointTensor]]:
     reader = open_gguf(info.path)
     for t in reader.tensors:
+        m = _BLOCK.fullmatch(t.name)
+        if m and m.group(2) in _GGUF_EXPERTS:
+            yield from _iter_gguf_experts(info, t)
+            continue
         hf_name = gguf_to_hf_name(t.name)
+        if hf_name is not None and info.architecture == "mixtral" and ".mlp.gate." in hf_name:
+            hf_name = hf_name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
         if hf_name is None:
             continue
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
         rows = None
-        if info.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        if info.architecture in ("llama", "mixtral") and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = info.num_attention_heads if ".q_proj." in hf_name else info.num_key_value_heads
             rows = unpermute_rows(shape[0], heads)
         yield hf_name, GGUFTensor(t.data, t.tensor_type, shape, rows)

@@ -81,3 +81,16 @@ def test_smollm2_greedy_matches_transformers(smollm2_reference):
         assert g.token_ids == w[:eos]
         assert g.finish_reason == ("stop" if eos < len(w) or w[-1] == 2 else "length")
         assert g.text == tok.decode(w[:eos])
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe", "mixtral", "qwen2-moe"])
+def test_each_family_greedy_matches_transformers(tiny_checkpoints, kind):
+    """Six prompts batched (a MoE step routes every sequence's tokens together), one
+    staggered with chunked prefill: transformers' greedy tokens, one prompt at a time."""
+    model = hf_model(tiny_checkpoints[kind])
+    want = [hf_greedy(model, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    engine = make_engine(tiny_checkpoints[kind])
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in NEW_TOKENS]
+    assert [c.token_ids for c in generate(engine, PROMPTS, params)] == want
+    engine = make_engine(tiny_checkpoints[kind], "scheduler.max_batched_tokens=16", "cache.block_size=4")
+    assert run_staggered(engine, arrivals=[0, 1, 3, 4, 9, 10]) == want

@@ -39,3 +39,27 @@ def test_smollm2_gguf_logits_match_transformers(smollm2, smollm2_reference):
     got = meshserve_logits(smollm2, [prompt])[0]
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe", "mixtral", "qwen2-moe"])
+def test_gguf_of_each_family_matches_its_safetensors(tiny_checkpoints, tmp_path, kind):
+    """The same weights as llama.cpp lays them out (expert tensors stacked, Mixtral's Q/K
+    permuted as `llama`): the same logits as the Hugging Face directory, which matches
+    transformers above. (transformers' own GGUF loader is no oracle here: for qwen3 it reads
+    no head_dim, for qwen3_moe no expert_feed_forward_length.)"""
+    import gguf
+
+    from meshserve.configs.model_info import read_model_info
+    from support.gguf_export import export_gguf
+
+    hf_dir = tiny_checkpoints[kind]
+    path = export_gguf(hf_dir, tmp_path / f"{kind}.gguf")
+    assert read_model_info(str(path)).moe == read_model_info(str(hf_dir)).moe
+    want = meshserve_logits(hf_dir, PROMPTS[:2])
+    for got, w in zip(meshserve_logits(path, PROMPTS[:2]), want):
+        torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)
+    if kind == "qwen3-moe":  # quantized 3-D expert data, read one expert's rows at a time
+        q8 = export_gguf(hf_dir, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+        for got, w in zip(meshserve_logits(q8, PROMPTS[:2]), want):
+            assert (got - w).abs().max() < 0.05 * w.abs().max()
+            assert (got.argmax(-1) == w.argmax(-1)).float().mean() > 0.9
