@@ -83,18 +83,6 @@ def max_over_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return x
 
 
-def exchange_counts(counts: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """All-to-all of one int64 per member: `counts[j]` goes to member j; returns what each
-    member sent this one (the sizes of the row exchange that follows)."""
-    if group.size == 1:
-        return counts
-    out = torch.empty_like(counts)
-    started = group.timer.start()
-    dist.all_to_all_single(out, counts, group=group.device_group)
-    group.timer.stop(started)
-    return out
-
-
 def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group: AxisGroup) -> torch.Tensor:
     """All-to-all over `group` along dim 0: the first `send_counts[0]` rows of `x` go to
     member 0, the next `send_counts[1]` to member 1, ...; returns the rows received,

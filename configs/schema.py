@@ -49,6 +49,11 @@ class ParallelConfig(Section):
     over this many groups of `tensor` ranks, which exchange tokens all-to-all; attention and
     the dense layers are replicated over them (meshserve.layers.moe). Multiplies the ranks
     of a replica: tensor x expert x context x pipeline."""
+    expert_exchange: Literal["all_to_all", "all_reduce"] = "all_to_all"
+    """How a MoE layer's expert group exchanges tokens (parallel.expert > 1): `all_to_all`
+    dispatches each (token, expert) pair to its expert's ranks and combines the results back
+    (two all-to-alls and an all-gather); `all_reduce` has each rank compute its experts for
+    all the tokens it already holds and sums over the group (one all-reduce)."""
     data: PositiveInt = 1
     """Replicas: each a whole tensor x pipeline x context group of ranks with its own driver,
     scheduler and KV cache, behind one front door (server.zmq and server.http) that routes

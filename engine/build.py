@@ -42,7 +42,8 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
     device_cfg = config.device
     return ModelRunner(info, memory, groups, device, show_progress=show_progress,
                        layer_counts=stage_layers(config, info), kernels=device_cfg.kernels, cpu_isa=device_cfg.cpu_isa,
-                       compile_decode=device_cfg.compile, calibration=calibration_ids(config, info, tokenizer))
+                       compile_decode=device_cfg.compile, calibration=calibration_ids(config, info, tokenizer),
+                       expert_exchange=config.parallel.expert_exchange)
 
 
 def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: Executor,

@@ -85,12 +85,13 @@ class ModelRunner:
     def __init__(self, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str = "cpu",
                  sampler_seed: int | None = None, show_progress: bool = False,
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool = False,
-                 calibration: list[int] | None = None, cpu_isa: str = "auto"):
+                 calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all"):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py), compiled here.
         `calibration`: token ids w8a8 calibrates on (engine/calibration.py). `cpu_isa`: the
-        build of the C++ CPU kernels (device.cpu_isa: auto | avx512 | avx2 | scalar)."""
+        build of the C++ CPU kernels (device.cpu_isa: auto | avx512 | avx2 | scalar).
+        `expert_exchange`: parallel.expert_exchange (layers.moe)."""
         self.info, self.memory, self.groups = info, memory, groups
         self.device = torch.device(device)
         self.dtype = DTYPES[memory.dtype]
@@ -102,7 +103,7 @@ class ModelRunner:
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
                                  show_progress=show_progress, cp=groups.cp,
                                  backend=select_backend(kernels, self.device, cpu_isa), quantization=memory.quantization,
-                                 calibration=calibration, ep=groups.ep)
+                                 calibration=calibration, ep=groups.ep, expert_exchange=expert_exchange)
         self.sender = StageSender(groups.pp)
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1

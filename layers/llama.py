@@ -151,13 +151,14 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, *, layer_range: tuple[int, int] | None = None,
                  is_first_stage: bool = True, is_last_stage: bool = True, max_position: int | None = None,
-                 backend: Backend | None = None, ep: AxisGroup | None = None):
-        """`ep`: the expert-parallel group of the MoE layers (layers.moe); none for a dense model."""
+                 backend: Backend | None = None, ep: AxisGroup | None = None, expert_exchange: str = "all_to_all"):
+        """`ep`: the expert-parallel group of the MoE layers (layers.moe), and how it
+        exchanges tokens (parallel.expert_exchange); none for a dense model."""
         super().__init__()
         self.info = info
         self.backend = backend or TorchBackend()
         """Computes attention, norms and rotary; builds the attention metadata of a step."""
-        self.tp, self.ep = tp, ep or AxisGroup.single("ep")
+        self.tp, self.ep, self.expert_exchange = tp, ep or AxisGroup.single("ep"), expert_exchange
         layer_range = layer_range or (0, info.num_hidden_layers)
 
         def make_layer(i: int) -> LlamaDecoderLayer:
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         """The MLP of global layer `layer`: a block of experts where the model has one there."""
         moe = self.info.moe
         if moe is not None and layer in moe.sparse_layers:
-            return FusedMoE(self.info.hidden_size, moe, self.tp, self.ep, dtype, self.backend)
+            return FusedMoE(self.info.hidden_size, moe, self.tp, self.ep, dtype, self.backend, self.expert_exchange)
         return LlamaMLP(self.info, self.tp, dtype, self.backend)
 
     @property

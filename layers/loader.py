@@ -54,11 +54,11 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
                 max_position: int | None = None, show_progress: bool = False, cp=None,
                 backend=None, quantization: str = "none", calibration: list[int] | None = None,
-                ep=None) -> LlamaForCausalLM:
+                ep=None, expert_exchange: str = "all_to_all") -> LlamaForCausalLM:
     """`backend`: the kernel backend (meshserve.layers.backend); default torch. With a
     context-parallel group `cp` of several ranks, the model's attention runs over it
     (layers.backend.ContextParallelBackend around `backend`). `ep`: the expert-parallel
-    group of a mixture-of-experts model (layers.moe).
+    group of a mixture-of-experts model and how it exchanges tokens (layers.moe).
 
     `quantization` (none | int8 | int4, meshserve.layers.quant): the weights are read in
     float32 (a Q4_1 GGUF's codes survive exactly), the linear layers quantized, then the
@@ -71,7 +71,8 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
     with torch.device(device):
         model = MODEL_CLASSES[info.architecture](info, tp, load_dtype, layer_range=layer_range,
                                                  is_first_stage=is_first_stage, is_last_stage=is_last_stage,
-                                                 max_position=max_position, backend=backend, ep=ep)
+                                                 max_position=max_position, backend=backend, ep=ep,
+                                                 expert_exchange=expert_exchange)
     load_weights(model, info, show_progress)
     if quantization == "w8a8":
         if not calibration:

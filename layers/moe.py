@@ -9,10 +9,13 @@ Sharding. Expert e lives on member e // local_num_experts of the `ep` group; ins
 expert's intermediate dimension is split over `tp` as a dense MLP's is (W1, W3 by rows, W2 by
 columns), so every tp member returns a partial sum and one all-reduce over `tp` finishes the
 block. Attention stays replicated over `ep` (every member of an ep group holds the same
-tokens); the block splits them: member r routes its 1/ep slice of the tokens, sends each
-(token, expert) pair to the member holding the expert (all-to-all), computes what it
-received, sends the results back (all-to-all), combines its slice, and an all-gather over
-`ep` gives every member all the tokens again.
+tokens, and routes all of them). The exchange (parallel.expert_exchange):
+- `all_to_all`: member r takes its 1/ep slice of the tokens, sends each (token, expert) pair
+  to the member holding the expert (all-to-all), computes what it received, sends the
+  results back (all-to-all), combines its slice, and an all-gather over `ep` gives every
+  member all the tokens again: three collectives, each token sent once per remote expert.
+- `all_reduce`: every member computes its experts' pairs of all the tokens (it holds them
+  already) and one all-reduce over `ep` sums the results: one collective, of all tokens.
 
 Compute. A member sorts its (token, expert) pairs by expert and multiplies each expert's
 tokens in one matmul (W1 and W3 fused, as gate_up_proj) by the weight as stored, packed or
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshserve.comm.collectives import all_gather_rows, all_to_all_rows, exchange_counts, reduce_from_tp
+from meshserve.comm.collectives import all_gather_rows, all_to_all_rows, reduce_from_tp
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs.model_info import MoEInfo
 from meshserve.layers.activation import silu_and_mul
@@ -85,13 +88,16 @@ class FusedMoE(nn.Module):
     first). With ep > 1, `partial` exchanges tokens over `ep` (all-to-all, then all-gather)."""
 
     def __init__(self, hidden_size: int, moe: MoEInfo, tp: AxisGroup, ep: AxisGroup, dtype: torch.dtype,
-                 backend=None):
+                 backend=None, exchange: str = "all_to_all"):
+        """`exchange` (parallel.expert_exchange), with ep > 1: `all_to_all` sends each pair's
+        token to its expert's rank and back; `all_reduce` has every rank compute its
+        experts' pairs of all the (replicated) tokens and sums the results over `ep`."""
         super().__init__()
         if moe.num_experts % ep.size:
             raise ValueError(f"num_experts={moe.num_experts} is not divisible by ep_size={ep.size}")
         if moe.intermediate_size % tp.size:
             raise ValueError(f"moe_intermediate_size={moe.intermediate_size} is not divisible by tp_size={tp.size}")
-        self.tp, self.ep = tp, ep
+        self.tp, self.ep, self.exchange = tp, ep, exchange
         self.hidden_size, self.top_k, self.renormalize = hidden_size, moe.num_experts_per_tok, moe.norm_topk_prob
         self.local_num_experts = moe.num_experts // ep.size
         self.expert_start = ep.rank * self.local_num_experts
@@ -153,48 +159,56 @@ class FusedMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This tp rank's partial sum of the block's output for every token (exchanges
         tokens over `ep` when it has several members)."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # every token's, on every rank
         if self.ep.size == 1:
             return self.experts(x, ids, weights)
+        owner = ids // self.local_num_experts  # (num_tokens, k): the ep rank of each pair's expert
+        if self.exchange == "all_reduce":
+            mine = torch.where(owner == self.ep.rank, ids - self.expert_start, -1)
+            return reduce_from_tp(self.experts(x, mine, weights), self.ep)
         counts = token_slices(x.shape[0], self.ep.size)
-        start = sum(counts[: self.ep.rank])
-        end = start + counts[self.ep.rank]
-        mine = self._dispatch_and_combine(x[start:end], ids[start:end], weights[start:end])
-        return all_gather_rows(mine, counts, self.ep)
+        bounds = [sum(counts[:r]) for r in range(self.ep.size + 1)]
+        return all_gather_rows(self._dispatch_and_combine(x, ids, owner, weights, bounds), counts, self.ep)
 
-    def _dispatch_and_combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """All-to-all over `ep`, twice: each (token, expert) pair of this slice goes to the
-        member holding the expert, and its result comes back to be combined here."""
-        owner = ids.flatten() // self.local_num_experts  # (pairs,)
-        order = torch.argsort(owner, stable=True)
-        rows = order // self.top_k  # the token of each pair, pairs grouped by owner
-        send_counts = torch.bincount(owner, minlength=self.ep.size)
-        recv_counts = exchange_counts(send_counts, self.ep)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        local_ids = (ids.flatten()[order] - owner[order] * self.local_num_experts).unsqueeze(1)
-        got_x = all_to_all_rows(x[rows], send, recv, self.ep)
-        got_ids = all_to_all_rows(local_ids, send, recv, self.ep)
-        done = self.experts(got_x, got_ids, torch.ones(got_ids.shape, dtype=torch.float32, device=x.device))
+    def _dispatch_and_combine(self, x: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, weights: torch.Tensor,
+                              bounds: list[int]) -> torch.Tensor:
+        """All-to-all over `ep`, twice: each (token, expert) pair of this rank's slice of the
+        tokens (bounds[rank]:bounds[rank + 1]) goes to the member holding the expert, and its
+        result comes back to be combined here. Every rank routed every token, so the
+        sizes and the experts of what arrives are known here without exchanging them."""
+        me, size, k = self.ep.rank, self.ep.size, self.top_k
+        start, end = bounds[me], bounds[me + 1]
+        mine = owner[start:end].flatten()
+        order = torch.argsort(mine, stable=True)  # this slice's pairs, grouped by owner
+        send = torch.bincount(mine, minlength=size).tolist()
+        arriving = [ids[bounds[r]:bounds[r + 1]].flatten() for r in range(size)]
+        arriving = [a[a // self.local_num_experts == me] - self.expert_start for a in arriving]
+        recv = [len(a) for a in arriving]
+        got = all_to_all_rows(x[start:end][order // k], send, recv, self.ep)
+        local_ids = torch.cat(arriving).unsqueeze(1)  # each sender's pairs in its (stable) order
+        done = self.experts(got, local_ids, torch.ones(local_ids.shape, dtype=torch.float32, device=x.device))
         back = all_to_all_rows(done, recv, send, self.ep)  # (pairs, hidden), in `order`
-        return combine(back, order, weights)
+        return combine(back, order, weights[start:end])
 
     def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * E_{ids[t, j]}(x[t]) with this rank's experts (local ids),
-        as a partial sum over `tp`. x (n, hidden); ids, weights (n, k)."""
-        self.tokens_computed += ids.numel()
+        """sum_j weights[t, j] * E_{ids[t, j]}(x[t]) with this rank's experts (local ids; -1:
+        an expert of another rank, which adds nothing here), as a partial sum over `tp`.
+        x (n, hidden); ids, weights (n, k)."""
         if self.fused is not None and self.packed is None:
+            self.tokens_computed += int((ids >= 0).sum())
             return self.fused(x, self.w13, self.w2, ids, weights)
         k = ids.shape[1]
         flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        rows = order // k
-        counts = torch.bincount(flat, minlength=self.local_num_experts).tolist()
-        grouped = x[rows]  # (pairs, hidden), grouped by expert
-        out = torch.empty_like(grouped)
-        start = 0
-        for e, n in enumerate(counts):
+        order = torch.argsort(flat, stable=True)  # -1 first, then by expert
+        counts = torch.bincount(flat + 1, minlength=self.local_num_experts + 1).tolist()
+        skip = counts[0]
+        self.tokens_computed += len(flat) - skip
+        grouped = x[order[skip:] // k]  # (pairs, hidden), grouped by expert
+        out = x.new_zeros((len(flat), x.shape[1]))
+        start = skip
+        for e, n in enumerate(counts[1:]):
             if n:
-                out[start:start + n] = self._expert(e, grouped[start:start + n])
+                out[start:start + n] = self._expert(e, grouped[start - skip:start - skip + n])
                 start += n
         return combine(out, order, weights)
 

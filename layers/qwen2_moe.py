@@ -18,8 +18,9 @@ from meshserve.layers.moe import DOWN, GATE, UP, FusedMoE, Router
 
 
 class SharedExpertMoE(FusedMoE):
-    def __init__(self, info: ModelInfo, tp: AxisGroup, ep: AxisGroup, dtype: torch.dtype, backend=None):
-        super().__init__(info.hidden_size, info.moe, tp, ep, dtype, backend)
+    def __init__(self, info: ModelInfo, tp: AxisGroup, ep: AxisGroup, dtype: torch.dtype, backend=None,
+                 exchange: str = "all_to_all"):
+        super().__init__(info.hidden_size, info.moe, tp, ep, dtype, backend, exchange)
         self.shared_expert = LlamaMLP(info, tp, dtype, backend, info.moe.shared_expert_intermediate_size)
         self.shared_expert_gate = Router(info.hidden_size, 1, bias=False, dtype=dtype)
 
@@ -34,5 +35,5 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer: int, dtype: torch.dtype) -> nn.Module:
         moe = self.info.moe
         if moe is not None and layer in moe.sparse_layers:
-            return SharedExpertMoE(self.info, self.tp, self.ep, dtype, self.backend)
+            return SharedExpertMoE(self.info, self.tp, self.ep, dtype, self.backend, self.expert_exchange)
         return super().make_mlp(layer, dtype)

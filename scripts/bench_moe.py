@@ -1,6 +1,7 @@
 """Mixture of experts on CPU: a random Qwen3-MoE (8 experts, top-2, hidden 512) decoding at
 batch 1 and 32, meshserve against transformers in the same run, and expert parallelism
-ep=2 (one thread per rank) against ep=1 (all the cores in one rank) on the same cores.
+ep=2 (one thread per rank; parallel.expert_exchange all_to_all and all_reduce) against ep=1
+(all the cores in one rank) on the same cores.
 
 The model (made once with save_pretrained under results/, SmolLM2's tokenizer): 8 layers,
 hidden 512, 8 heads of 64 and 4 KV heads, 8 experts of 1024 per layer, top-2 with the
@@ -51,10 +52,11 @@ def make_moe_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def overrides(args, ep: int, threads: int) -> list[str]:
+def overrides(args, ep: int, threads: int, exchange: str = "all_to_all") -> list[str]:
     seq = args.prompt_len + args.output_len
     top = max(args.batch_sizes)
     return [f"model.path={args.model_path}", f"model.max_model_len={seq}", f"parallel.expert={ep}",
+            f"parallel.expert_exchange={exchange}",
             f"device.threads={threads}", f"scheduler.max_num_seqs={top}",
             f"scheduler.max_batched_tokens={max(top * args.prompt_len, 2048)}",
             f"cache.num_blocks={top * (seq // 16 + 1)}", "cache.prefix_caching=false"]
@@ -111,10 +113,36 @@ def run_transformers(args, threads: int) -> list[dict]:
     return rows
 
 
-def run_meshserve(args, ep: int, threads: int) -> list[dict]:
+def roofline_floors(args, cores: int) -> dict:
+    """The least a decode step can take here: its FLOPs (the experts a token uses) over this
+    process's float32 matmul peak, or the weights it reads (every expert once a batch routes
+    to all of them) over the read bandwidth, whichever is longer."""
+    from meshserve.configs.model_info import read_model_info
+    from meshserve.engine.perf import ModelCost
+    from meshserve.engine.serving.metrics import measure_roofline
+
+    torch.set_num_threads(cores)
+    info = read_model_info(str(args.model_path))
+    roof = measure_roofline(torch.float32, "cpu", 1)
+    cost = ModelCost(info, 4)
+    out: dict = {"peak_flops": roof.peak_flops, "bandwidth": roof.memory_bandwidth}
+    for batch in args.batch_sizes:
+        context = args.prompt_len + args.output_len // 2
+        flops = batch * cost.flops(1, context)
+        touched = min(info.moe.num_experts, batch * info.moe.num_experts_per_tok)
+        experts = info.num_hidden_layers * info.moe.num_experts_per_tok * info.moe.expert_parameters(info.hidden_size)
+        weights = cost.weight_bytes + 4 * experts * (touched / info.moe.num_experts_per_tok - 1)
+        nbytes = weights + batch * context * cost.kv_bytes_per_token
+        compute, memory = flops / roof.peak_flops, nbytes / roof.memory_bandwidth
+        out[batch] = {"flops_per_step": flops, "bytes_per_step": nbytes, "floor_ms": 1000 * max(compute, memory),
+                      "bound": "compute" if compute > memory else "memory"}
+    return out
+
+
+def run_meshserve(args, ep: int, threads: int, exchange: str = "all_to_all") -> list[dict]:
     extra = ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
              "--batch-sizes", *map(str, args.batch_sizes)]
-    return run_configuration(HERE / "bench_moe.py", overrides(args, ep, threads), extra)
+    return run_configuration(HERE / "bench_moe.py", overrides(args, ep, threads, exchange), extra)
 
 
 def main() -> None:
@@ -130,9 +158,11 @@ def main() -> None:
 
     args.model_path = make_moe_checkpoint(Path("results") / "bench-moe-model")
     cores = len(os.sched_getaffinity(0))
+    floors = roofline_floors(args, cores)
     arms = {"transformers": lambda: run_transformers(args, cores),
             "ep1": lambda: run_meshserve(args, 1, cores),
-            "ep2": lambda: run_meshserve(args, 2, max(1, cores // 2))}
+            "ep2": lambda: run_meshserve(args, 2, max(1, cores // 2)),
+            "ep2_all_reduce": lambda: run_meshserve(args, 2, max(1, cores // 2), "all_reduce")}
     runs: dict[str, list[list[dict]]] = {name: [] for name in arms}
     for r in range(args.rounds):
         names = list(arms)
@@ -149,17 +179,27 @@ def main() -> None:
     for i, batch in enumerate(args.batch_sizes):
         ratios = [m[i]["tok_s"] / t[i]["tok_s"] for m, t in zip(runs["ep1"], runs["transformers"])]
         ep_ratios = [e2[i]["tok_s"] / e1[i]["tok_s"] for e2, e1 in zip(runs["ep2"], runs["ep1"])]
+        ar_ratios = [e2[i]["tok_s"] / e1[i]["tok_s"] for e2, e1 in zip(runs["ep2_all_reduce"], runs["ep1"])]
         row = {"batch": batch, **{f"{n}_step_ms": median(n, i, "step_ms") for n in arms},
                **{f"{n}_tok_s": median(n, i, "tok_s") for n in arms},
                "ep2_exchange_ms_per_step": median("ep2", i, "ep_exchange_ms_per_step"),
+               "ep2_all_reduce_exchange_ms_per_step": median("ep2_all_reduce", i, "ep_exchange_ms_per_step"),
+               "ep2_all_reduce_vs_ep1": statistics.median(ar_ratios), "ep2_all_reduce_vs_ep1_rounds": ar_ratios,
                "vs_transformers": statistics.median(ratios), "vs_transformers_rounds": ratios,
                "ep2_vs_ep1": statistics.median(ep_ratios), "ep2_vs_ep1_rounds": ep_ratios}
+        row |= floors[batch]
         rows.append(row)
-        print(f"batch {batch:3d}: transformers {row['transformers_step_ms']:7.1f} ms/step {row['transformers_tok_s']:7.1f} "
+        print(f"batch {batch:3d}: roofline floor {row['floor_ms']:.1f} ms/step ({row['bound']}-bound: "
+              f"{row['flops_per_step'] / 1e9:.2f} GFLOP at {floors['peak_flops'] / 1e9:.0f} GFLOP/s, "
+              f"{row['bytes_per_step'] / 1e6:.0f} MB at {floors['bandwidth'] / 1e9:.1f} GB/s)")
+        print(f"            transformers {row['transformers_step_ms']:7.1f} ms/step {row['transformers_tok_s']:7.1f} "
               f"tok/s | meshserve ep=1 {row['ep1_step_ms']:7.1f} ms {row['ep1_tok_s']:7.1f} tok/s "
               f"({row['vs_transformers']:.2f}x, rounds {', '.join(f'{x:.2f}' for x in ratios)})")
-        print(f"           ep=2 x 1 thread {row['ep2_step_ms']:7.1f} ms {row['ep2_tok_s']:7.1f} tok/s "
+        print(f"           ep=2 x 1 thread, all-to-all {row['ep2_step_ms']:7.1f} ms {row['ep2_tok_s']:7.1f} tok/s "
               f"({row['ep2_vs_ep1']:.2f}x ep=1), of which expert exchange {row['ep2_exchange_ms_per_step']:.1f} ms/step")
+        print(f"           ep=2 x 1 thread, all-reduce {row['ep2_all_reduce_step_ms']:7.1f} ms "
+              f"{row['ep2_all_reduce_tok_s']:7.1f} tok/s ({row['ep2_all_reduce_vs_ep1']:.2f}x ep=1), of which expert "
+              f"exchange {row['ep2_all_reduce_exchange_ms_per_step']:.1f} ms/step")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_features().describe(), "cores": cores, "args": {

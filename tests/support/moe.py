@@ -22,10 +22,11 @@ def weights(seed: int = 0, experts: int = E):
             "w2": torch.randn(experts, H, I, generator=g) * 0.2}
 
 
-def build(w, top_k: int = 2, renormalize: bool = True, quantization: str = "none", tp=None, ep=None) -> FusedMoE:
+def build(w, top_k: int = 2, renormalize: bool = True, quantization: str = "none", tp=None, ep=None,
+          exchange: str = "all_to_all") -> FusedMoE:
     experts = w["gate"].shape[0]
     moe = FusedMoE(H, MoEInfo(experts, top_k, I, renormalize, (0,)), tp or AxisGroup.single("tp"),
-                   ep or AxisGroup.single("ep"), torch.float32)
+                   ep or AxisGroup.single("ep"), torch.float32, exchange=exchange)
     moe.gate.weight.weight_loader(moe.gate.weight, MemoryTensor(w["gate"]))
     for e in range(experts):
         for name, part in (("w1", GATE), ("w3", UP), ("w2", DOWN)):
