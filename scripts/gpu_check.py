@@ -1,7 +1,8 @@
 """One-shot GPU check of meshserve's Triton kernels, on a CUDA machine (about 5 minutes on
 an H200, the first Triton compilations included). Sections, in order:
 
-  correctness  every kernel check of tests/support/kernel_cases.py compiled for the GPU
+  correctness  every kernel check of tests/support/kernel_cases.py and moe_kernel_cases.py (the
+               fused MoE kernel) compiled for the GPU
                (bfloat16; --check-dtypes for more) against float64 math
   decode       paged decode attention: Triton (auto split, and unsplit) vs the torch
                backend's decode (gather + SDPA) vs torch SDPA on contiguous K/V, same shapes;
@@ -165,8 +166,9 @@ def show(line: str) -> None:
 def section_correctness(args, roof) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from support.kernel_cases import run_kernel_checks
+    from support.moe_kernel_cases import run_moe_checks
 
-    results = run_kernel_checks(args.check_dtypes, SETUP.device)
+    results = run_kernel_checks(args.check_dtypes, SETUP.device) | run_moe_checks(args.check_dtypes, SETUP.device)
     failed = []
     for key, rows in results.items():
         worst = max(rows, key=lambda r: r[1] / r[2] if r[2] else (0.0 if r[1] == 0 else math.inf))

@@ -129,4 +129,12 @@ def test_memory_plan_counts_a_ranks_share_of_the_experts(tiny_checkpoints):
     m = info.moe
     experts_bytes = len(m.sparse_layers) * m.num_experts * m.expert_parameters(info.hidden_size) * 4
     assert plans[1] - plans[2] == pytest.approx(experts_bytes / 2, rel=0.01)
-    assert info.num_active_parameters < info.num_parameters
+    # MFU and MBU count what a token uses: top-2 of 8 experts
+    from meshserve.engine.perf import ModelCost
+
+    cost = ModelCost(info, 4)
+    unused = len(m.sparse_layers) * (m.num_experts - m.num_experts_per_tok) * m.expert_parameters(info.hidden_size)
+    assert info.num_parameters - info.num_active_parameters == unused
+    assert cost.flops(1, 1) == pytest.approx(2 * cost.matmul_params + 4 * info.num_hidden_layers
+                                             * info.num_attention_heads * info.head_dim)
+    assert cost.matmul_params == info.num_active_parameters - info.vocab_size * info.hidden_size
