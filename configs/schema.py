@@ -96,6 +96,11 @@ class DeviceConfig(Section):
     """Which build of meshserve's C++ CPU kernels runs (meshserve.configs.cpu_features):
     `auto`, the fastest this CPU runs; `avx512`, `avx2` or `scalar` to force one (a build the
     CPU cannot run is a config error)."""
+    cuda_graphs: bool = True
+    """device.type=cuda: decode steps replay CUDA graphs captured at start-up, one per batch
+    bucket up to scheduler.max_num_seqs (meshserve.engine.decode_graphs), where the model
+    runs on one pipeline stage without context or expert parallelism; false: every step
+    launches its kernels one by one."""
     compile: bool = False
     """Run decode steps through torch.compile (inductor, weights frozen): fuses the small
     ops between matmuls, for one or a few streams on CPU. Compiles at start-up (tens of

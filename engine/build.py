@@ -43,7 +43,16 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
     return ModelRunner(info, memory, groups, device, show_progress=show_progress,
                        layer_counts=stage_layers(config, info), kernels=device_cfg.kernels, cpu_isa=device_cfg.cpu_isa,
                        compile_decode=device_cfg.compile, calibration=calibration_ids(config, info, tokenizer),
-                       expert_exchange=config.parallel.expert_exchange)
+                       expert_exchange=config.parallel.expert_exchange,
+                       decode_graphs=config.scheduler.max_num_seqs if uses_decode_graphs(config) else 0)
+
+
+def uses_decode_graphs(config: Config) -> bool:
+    """CUDA graphs for decode steps: on CUDA, one stage, no context or expert parallelism,
+    no KV transfer (its sends run between the layers)."""
+    p = config.parallel
+    return (config.device.type == "cuda" and config.device.cuda_graphs and p.pipeline == 1 and p.context == 1
+            and p.expert == 1 and not config.disaggregation.enabled)
 
 
 def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: Executor,

