@@ -61,6 +61,9 @@ class EngineObserver(Protocol):
     def on_verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """`seq` verified `drafted` proposed tokens in a step and kept `accepted` of them."""
 
+    def on_idle(self) -> None:
+        """The step loop woke with no work (about every 50 ms while idle)."""
+
 
 @dataclass
 class InFlight:

@@ -15,8 +15,11 @@ STATS_INTERVAL_S = 0.2
 
 
 def worker_loop(runner: ModelRunner, channel: WorkerChannel) -> None:
-    """Runs until the driver publishes Shutdown; reports its counters every STATS_INTERVAL_S."""
-    started = last_report = time.monotonic()
+    """Runs until the driver publishes Shutdown; reports its counters after its first step,
+    then every STATS_INTERVAL_S (a deployment that served only a short burst still shows
+    every rank)."""
+    started = time.monotonic()
+    last_report = started - STATS_INTERVAL_S
     steps = 0
     while True:
         msg = channel.recv()

@@ -229,10 +229,7 @@ class EngineMetrics:
         if computed:
             self.prompt_computed.inc(computed)
         self.step_seconds.inc(seconds)
-        now = time.monotonic()
-        if self._engine is not None and now - self._ranks_read >= RANK_STATS_INTERVAL_S:
-            self._ranks_read = now
-            self._read_ranks()
+        self._maybe_read_ranks()
         if self._cost is None:
             return
         cost = self._cost
@@ -267,6 +264,17 @@ class EngineMetrics:
         seconds.labels("overlapped").set_function(lambda: stats.overlapped_seconds)
         seconds.labels("posting").set_function(lambda: stats.send_seconds)
         seconds.labels("land_wait").set_function(lambda: stats.land_wait_seconds)
+
+    def on_idle(self) -> None:
+        self._maybe_read_ranks()
+
+    def _maybe_read_ranks(self) -> None:
+        """Every RANK_STATS_INTERVAL_S, take in the ranks' counters: after steps, and while
+        idle too (the last ones a burst of requests left)."""
+        now = time.monotonic()
+        if self._engine is not None and now - self._ranks_read >= RANK_STATS_INTERVAL_S:
+            self._ranks_read = now
+            self._read_ranks()
 
     def _read_ranks(self) -> None:
         """Every rank's occupancy and memory, from the counters they send the driver (read

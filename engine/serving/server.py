@@ -82,6 +82,8 @@ class Server:
                 except Exception as e:  # a rank died mid-step, or the step itself failed
                     self._give_up(e)
                 self.send_all(replies)
+            elif self.engine.observer is not None:
+                self.engine.observer.on_idle()
         for key in list(self.engine.requests):
             delta = self.engine.abort(key)
             if delta is not None:
