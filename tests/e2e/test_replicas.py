@@ -108,7 +108,10 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
             t.start()
         assert all(s.wait(60) for s in started), "not every stream started"
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        assert samples(metrics, "meshserve_replica_requests") == {('replica="0"',): 3.0, ('replica="1"',): 3.0}
+        # least-loaded routing counts output too: streams that start late may tip the split
+        split = samples(metrics, "meshserve_replica_requests")
+        on = {r: int(split.get((f'replica="{r}"',), 0)) for r in (0, 1)}
+        assert on[0] >= 1 and on[1] >= 1 and on[0] + on[1] == 6, split
         killed_at = time.monotonic()
         replica1 = [pid for (r, _), pid in pids.items() if r == 1] + [replica_process(server, 1)]
         os.kill(pids[1, 1], signal.SIGKILL)
@@ -119,7 +122,7 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
             t.join(FAILURE_TIMEOUT + 120)
         errors = [o["error"] for o in outcomes if "error" in o]
         done = [o["tokens"] for o in outcomes if "tokens" in o]
-        assert len(errors) == 3 and done == [400] * 3, outcomes
+        assert len(errors) == on[1] and done == [400] * on[0], outcomes
         for code, message, at in errors:
             assert code == "unavailable" and "] replica 1: " in message, message
             assert at - killed_at < FAILURE_TIMEOUT + 10, f"the error took {at - killed_at:.1f} s"
