@@ -106,7 +106,7 @@ def prompts(c: int, args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 with AMX, else float32)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 where the CPU computes it, else float32)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=128)
@@ -122,7 +122,7 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "results" / "bench_vs_vllm"))
     args = p.parse_args()
     cpu = cpu_features()
-    args.dtype = args.dtype or ("bfloat16" if cpu.amx else "float32")
+    args.dtype = args.dtype or ("bfloat16" if cpu.bf16_compute else "float32")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = hf_checkpoint(REPO / "results" / "smollm2-hf-bf16")
