@@ -54,19 +54,19 @@ class Capture(Protocol):
 
 
 class CudaCapture:
-    """torch.cuda.CUDAGraph over a pool shared by every bucket's graph (largest first)."""
+    """torch.cuda.CUDAGraph over the memory pool of `owner` (its `pool`), shared by every
+    bucket's graph of one DecodeGraphs (captured largest first)."""
 
-    pool = None
-
-    def __init__(self):
+    def __init__(self, owner):
+        self.owner = owner
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, fn):
         fn()  # warm-up outside the graph: lazy initialisation, autotuning, allocator
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=CudaCapture.pool):
+        with torch.cuda.graph(self.graph, pool=self.owner.pool):
             out = fn()
-        CudaCapture.pool = self.graph.pool()
+        self.owner.pool = self.graph.pool()
         return out
 
     def replay(self) -> None:
@@ -112,7 +112,9 @@ class DecodeGraphs:
         self.width = -(-max_model_len // block_size)
         self.max_model_len, self.scratch_block, self.device = max_model_len, scratch_block, device
         self.buckets = batch_buckets(max_batch)
-        self.make_capture = make_capture or (CudaCapture if device.type == "cuda" else EagerStandIn)
+        self.pool = None
+        """The CUDA graphs' memory pool, once the first (largest) bucket is captured."""
+        self.make_capture = make_capture or ((lambda: CudaCapture(self)) if device.type == "cuda" else EagerStandIn)
         self.graphs: dict[int, _Bucket] = {}
         self.replays = 0
         self.capture_seconds = 0.0

@@ -126,6 +126,8 @@ class ModelRunner:
         if compile_decode:
             self.compiled = CompiledDecode(self.model)
             self.compiled.warm_up(self.model.backend, self.kv_caches, memory.block_size, self.device)
+        self._moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        """Read for each RankStats (every STATS_INTERVAL_S on a follower): found once."""
         self.graphs = None
         if decode_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, memory.block_size, memory.max_model_len,
@@ -283,7 +285,7 @@ class ModelRunner:
 
     def expert_tokens(self) -> int:
         """(token, expert) pairs this rank's experts have computed (layers.moe), all layers."""
-        return sum(m.tokens_computed for m in self.model.modules() if isinstance(m, FusedMoE))
+        return sum(m.tokens_computed for m in self._moe_layers)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
