@@ -34,6 +34,7 @@ from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.model_info import resolve_model_path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 
 def make_moe_checkpoint(directory: Path) -> Path:
@@ -151,12 +152,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--output", default="results/bench_moe.json")
+    ap.add_argument("--output", default=str(REPO / "results" / "bench_moe.json"))
     add_rank_args(ap)
     args = ap.parse_args()
     enter_rank_if_asked(HERE / "bench_moe.py", args, BenchMode)
 
-    args.model_path = make_moe_checkpoint(Path("results") / "bench-moe-model")
+    args.model_path = make_moe_checkpoint(REPO / "results" / "bench-moe-model")
     cores = len(os.sched_getaffinity(0))
     floors = roofline_floors(args, cores)
     arms = {"transformers": lambda: run_transformers(args, cores),
