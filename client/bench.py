@@ -66,6 +66,9 @@ class Target:
     def body(self, p: BenchPrompt, stream: bool = True, max_tokens: int | None = None) -> dict:
         body = {"model": self.model, "max_tokens": max_tokens or p.output_len, "temperature": self.args.temperature,
                 "stream": stream}
+        for key in ("top_p", "top_k"):
+            if getattr(self.args, key, None) is not None:
+                body[key] = getattr(self.args, key)
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.args.ignore_eos:

@@ -7,12 +7,14 @@ dotted key, so an operator can fix it without reading code.
 from __future__ import annotations
 
 import difflib
+import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from meshserve.configs.auto_choice import choose_auto
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.schema import SECRET_KEYS, Config
 
@@ -97,6 +99,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = apply_overrides(data, overrides or [])
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    config = _validate(data, source)
+    if config.model.quantization == "auto":
+        chosen, line = choose_auto(config)
+        logging.getLogger("meshserve").info("%s", line)
+        config = _validate(apply_overrides(data, chosen.overrides()), source)
+    return config
+
+
+def _validate(data: dict[str, Any], source: str) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:

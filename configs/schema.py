@@ -31,13 +31,16 @@ class ModelConfig(Section):
     """Tokenizer directory; by default the model's own (HF directory or GGUF file)."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; by default the model's context, capped at 8192."""
-    quantization: Literal["none", "int8", "int4", "w8a8"] = "none"
+    quantization: Literal["none", "int8", "int4", "w8a8", "auto"] = "none"
     """Quantization of the linear layers, on CPU: `int4` (groups of 32 with a scale and min
     each, GGUF's Q4_1 layout; the LM head then takes int8), `int8` (one scale per output
     row): weight-only, activations stay in model.dtype (`auto` then means bfloat16), for one
     or a few streams. `w8a8`: int8 weights times activations quantized to 8 bits per row,
     smoothed (SmoothQuant) on a calibration prefill at load: for batches, which are compute
-    bound. Weights are read at full precision and quantized at load."""
+    bound. Weights are read at full precision and quantized at load. `auto`: the fastest path
+    for this machine (dtype too while model.dtype is auto), for one stream when
+    scheduler.max_num_seqs is 1 and for batches otherwise, as `meshserve advise` measured it
+    here, or by a rule per CPU kind (meshserve.configs.auto_choice)."""
 
 
 class ParallelConfig(Section):

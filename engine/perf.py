@@ -10,7 +10,7 @@ import torch
 
 from meshserve.configs.memory import head_quantization, kv_row_bytes, matmul_bytes_per_param
 from meshserve.configs.model_info import ModelInfo
-from meshserve.layers.matmul import PackedCpuMatmul, packing_helps
+from meshserve.layers.matmul import prepared_matmul
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -37,10 +37,13 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: 
     return nbytes / _best_of(run, repeats)
 
 
-def measure_matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
+def measure_matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str = "cpu",
+                        quantization: str = "none") -> float:
     """FLOP/s of an n x n x n matmul in `dtype`: the faster of torch.mm and, on CPU, the
-    packed oneDNN path the model's linears use (layers/matmul.py), so MFU is against the
-    best kernel at hand."""
+    multiply the model's linears run for this dtype and `quantization`
+    (layers/matmul.py prepared_matmul: oneDNN's packed product, bf16 widened to float32 on a
+    CPU without bf16 dot products, the quantized kernels), so MFU is against the kernels the
+    config runs and not a dtype the CPU cannot compute fast."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
 
@@ -50,9 +53,10 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, dev
             torch.cuda.synchronize()
 
     best = _best_of(run, repeats)
-    if packing_helps(b):
-        packed = PackedCpuMatmul(b.t().contiguous())
-        best = min(best, _best_of(lambda: packed(a), repeats))
+    if device == "cpu":
+        prepared = prepared_matmul(b.t().contiguous(), quantization, dtype)
+        if prepared is not None:
+            best = min(best, _best_of(lambda: prepared(a), repeats))
     return 2 * n ** 3 / best
 
 

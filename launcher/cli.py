@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate a config and print the resolved config and memory plan")
     _add_config_args(p)
 
+    p = sub.add_parser("advise", help="measure the dtype and quantization paths on this machine and say which "
+                                      "serves one stream and batches fastest (recorded for model.quantization=auto)")
+    _add_config_args(p)
+    p.add_argument("--no-record", action="store_true", help="print the advice without recording it")
+
     _add_bench_parser(sub)
     return parser
 
@@ -124,6 +129,8 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--slo", "--goodput", dest="slo", nargs="+", default=None, metavar="KEY=MS",
                    help="goodput SLOs in ms, e.g. ttft=2000,tpot=100 (keys: ttft, tpot, e2el)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None, help="sent as top_p (default: not sent)")
+    p.add_argument("--top-k", type=int, default=None, help="sent as top_k (default: not sent)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so every request generates --output-len tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -261,8 +268,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from meshserve.engine.advisor import advise, report
+
+    config, _, _ = load(args)
+    if config.device.type != "cpu":
+        print(f"device.type={config.device.type}: the paths advise measures are the CPU's; on CUDA use "
+              f"model.dtype=bfloat16 (model.quantization=auto does)")
+        return 0
+    advice = advise(config, progress=lambda line: print(line, file=sys.stderr, flush=True),
+                    write=not args.no_record)
+    print(report(advice))
+    return 0
+
+
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check,
-            "bench": cmd_bench}
+            "advise": cmd_advise, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

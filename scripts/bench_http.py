@@ -80,12 +80,13 @@ class Served:
         self._log.close()
 
 
-def bench(url: str, concurrency: int, args, out: Path) -> dict:
+def bench(url: str, concurrency: int, args, out: Path, extra: list[str] = ()) -> dict:
+    """One `meshserve bench` run; `extra`: more of its flags (e.g. --temperature 1.0)."""
     num_prompts = max(args.min_prompts, args.prompts_per_slot * concurrency)
     cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--num-prompts", str(num_prompts),
            "--max-concurrency", str(concurrency), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--slo", f"ttft={SLO['ttft']:g},tpot={SLO['tpot']:g}",
-           "--seed", "0", "--output", str(out), "--disable-tqdm"]
+           "--seed", "0", "--output", str(out), "--disable-tqdm", *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 

@@ -49,7 +49,7 @@ class Roofline:
 
 
 def measure_roofline(dtype, device: str, world_size: int, peak_flops: float | None = None,
-                     memory_bandwidth: float | None = None) -> Roofline:
+                     memory_bandwidth: float | None = None, quantization: str = "none") -> Roofline:
     """Measure what the config does not give (about a second on a CPU): this process's matmul
     peak in `dtype` and its read bandwidth, scaled to the deployment.
 
@@ -57,7 +57,7 @@ def measure_roofline(dtype, device: str, world_size: int, peak_flops: float | No
     on GPUs (each has its own memory) but not on one CPU node, whose ranks share its memory."""
     measured = []
     if peak_flops is None:
-        peak_flops = measure_matmul_peak(dtype, n=1024, repeats=3, device=device) * world_size
+        peak_flops = measure_matmul_peak(dtype, n=1024, repeats=3, device=device, quantization=quantization) * world_size
         measured.append("peak_flops")
     if memory_bandwidth is None:
         per_process = measure_memory_bandwidth(64 << 20, repeats=3, device=device)
@@ -298,7 +298,8 @@ def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_fl
     if peak_flops is None or memory_bandwidth is None:
         log.info("measuring the roofline for the MFU/MBU gauges (about a second; server.metrics.peak_flops and "
                  "memory_bandwidth skip it)")
-    roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth)
+    roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth,
+                                quantization)
     metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization, kv_dtype), roofline)
     log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,
              roofline.memory_bandwidth)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from meshserve.client.bench import endpoint_url, parse_slo
 from meshserve.client.bench_data import load_jsonl
@@ -149,3 +150,30 @@ def test_engine_metrics_follow_one_request(monkeypatch):
     assert value("meshserve_request_success_total", {"finished_reason": "abort"}) == 1
     assert value("meshserve_e2e_request_latency_seconds_count") == 1
     assert value("meshserve_num_preemptions_total") == 1
+
+
+@pytest.mark.parametrize("dtype,quantization", [(torch.bfloat16, "none"), (torch.bfloat16, "int4"),
+                                                (torch.float32, "int8")])
+def test_the_roofline_peak_times_the_multiply_the_config_runs(monkeypatch, dtype, quantization):
+    """MFU's peak is the faster of torch.mm and the model's own multiply for the config's
+    dtype and quantization (a bf16 torch.mm on a CPU without bf16 dot products runs at a
+    fraction of what the model's widened products do)."""
+    from meshserve.engine import perf
+
+    calls, real = [], perf.prepared_matmul
+    monkeypatch.setattr(perf, "prepared_matmul", lambda w, q, d: calls.append((w.shape, q, d)) or real(w, q, d))
+    assert perf.measure_matmul_peak(dtype, n=64, repeats=1, quantization=quantization) > 0
+    assert calls == [((64, 64), quantization, dtype)]
+
+
+def test_bench_sends_top_p_and_top_k_only_when_given():
+    from meshserve.client.bench import Target
+    from meshserve.client.bench_data import BenchPrompt
+
+    args = SimpleNamespace(temperature=0.7, ignore_eos=False, top_p=None, top_k=None)
+    prompt = BenchPrompt("hello", 8, 4)
+    body = Target("http://x/v1/completions", "m", False, args).body(prompt)
+    assert body["temperature"] == 0.7 and "top_p" not in body and "top_k" not in body
+    args.top_p, args.top_k = 0.9, 40
+    body = Target("http://x/v1/completions", "m", False, args).body(prompt)
+    assert (body["top_p"], body["top_k"]) == (0.9, 40)

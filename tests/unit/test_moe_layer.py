@@ -72,12 +72,19 @@ def dequantized(w, quantization: str):
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_quantized_experts_match_the_loop_over_their_dequantized_weights(quantization, tokens):
+def test_quantized_experts_match_the_loop_over_their_dequantized_weights(monkeypatch, quantization, tokens):
+    """With the kernels' float32 inputs forced, to float32 rounding; as served (float32
+    activations rounded to bf16 for the weight-only kernels, quant.kernel_dtype), to bf16's."""
+    from meshserve.layers import quant
+
     w = weights(seed=6)
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(7))
+    want, _ = reference(x, dequantized(w, quantization), 2, True)
+    served = build(w, quantization=quantization)(x)
+    assert (served.double() - want).norm() / want.norm() < 2e-2
+    monkeypatch.setattr(quant, "kernel_dtype", lambda act_dtype: act_dtype)
     moe = build(w, quantization=quantization)
     assert moe.packed is not None and moe.w13.numel() == 0, "the experts were not quantized"
-    want, _ = reference(x, dequantized(w, quantization), 2, True)
     assert_close(moe(x), want, 1e-4)
     full, _ = reference(x, w, 2, True)
     assert (moe(x).double() - full).abs().max() > 1e-6, "quantized experts cannot equal the float weights"

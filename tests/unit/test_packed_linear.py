@@ -52,3 +52,29 @@ def test_tied_head_packs_but_keeps_the_embedding(dtype):
     h = torch.randn(3, 32).to(dtype)
     torch.testing.assert_close(head(h), F.linear(h, table), **TOLERANCE[dtype])
     assert torch.equal(emb(torch.tensor([1, 49])), table[[1, 49]])
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 64])
+def test_bf16_on_a_cpu_without_bf16_products_widens_many_rows_to_float32(monkeypatch, rows):
+    """Without AVX512-BF16/AMX a bf16 weight is multiplied in float32 from WIDEN_ROWS rows
+    (torch's bf16 kernel is 3.6-6x slower there); the result is the bf16 product's within
+    bf16 rounding; with bf16 products the weight is packed (or left) as before."""
+    from meshserve.configs.cpu_features import CpuFeatures
+    from meshserve.layers import matmul
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    monkeypatch.setattr(matmul, "cpu_features", lambda: CpuFeatures(frozenset({"avx2", "fma", "f16c"})))
+    monkeypatch.setattr(matmul, "packing_helps", lambda weight: False)
+    col = ColumnParallelLinear(64, 96, AxisGroup.single("tp"), dtype=torch.bfloat16)
+    col.weight.weight_loader(col.weight, MemoryTensor(w))
+    col.pack_weight()
+    assert isinstance(col.packed, matmul.WidenedCpuMatmul) and col.weight.numel() == 0
+    got = col(x)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - exact).norm() / exact.norm() < 4e-3
+    torch.testing.assert_close(got, F.linear(x, w), **TOLERANCE[torch.bfloat16])
+    monkeypatch.setattr(matmul, "cpu_features", lambda: CpuFeatures(frozenset({"avx2", "fma", "amx_bf16"})))
+    assert matmul.prepared_matmul(w) is None

@@ -62,7 +62,11 @@ def test_int4_and_int8_kernels_match_dense_math_with_dequantized_weights(rows, s
     cases = [(Int4Matmul, dequantize_int4(codes4, scale4, low4)), (Int8Matmul, codes8.float() * scale8[:, None])]
     for kernel, dense in cases:
         want = x @ dense.t()
-        torch.testing.assert_close(kernel(w, torch.float32)(x), want, atol=1e-4, rtol=1e-4)
+        # float32 activations multiply in bfloat16 (kernel_dtype): the float32 kernels are 28-75x slower
+        got32 = kernel(w, torch.float32)(x)
+        assert got32.dtype == torch.float32
+        on_bf16_inputs = x.bfloat16().double() @ dense.double().t()
+        assert (got32.double() - on_bf16_inputs).norm() / on_bf16_inputs.norm() < 5e-3
         got16 = kernel(w, torch.bfloat16)(x.bfloat16()).float()
         assert (got16 - want).norm() / want.norm() < 2e-2
 
@@ -144,17 +148,30 @@ def _fake_quantized_hf(path, layers: str, head: str):
     return model
 
 
+@pytest.mark.parametrize("kernel_inputs", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization,head", [("int4", "int8"), ("int8", "int8")])
-def test_quantized_model_matches_transformers_on_dequantized_weights(tiny_checkpoints, quantization, head):
+def test_quantized_model_matches_transformers_on_dequantized_weights(monkeypatch, tiny_checkpoints, quantization,
+                                                                     head, kernel_inputs):
+    """A float32 model's weight-only kernels take bfloat16 inputs (quant.kernel_dtype: their
+    float32 versions are 28-75x slower); with float32 inputs forced, the logits equal the
+    oracle's to float32 rounding, which pins the codes and scales; as served, within the
+    bfloat16 rounding of the activations (measured 1.1-1.4%)."""
+    from meshserve.layers import quant
+
+    if kernel_inputs == "float32":
+        monkeypatch.setattr(quant, "kernel_dtype", lambda act_dtype: act_dtype)
     path = tiny_checkpoints["llama-untied"]
     ref = _fake_quantized_hf(path, quantization, head)
     plain = hf_model(path)
     ours = meshserve_logits(path, PROMPTS, quantization=quantization)
     for prompt, got in zip(PROMPTS, ours):
         want = hf_logits(ref, prompt)
-        torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-4)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
         assert not torch.allclose(got, hf_logits(plain, prompt), atol=5e-4, rtol=1e-4)  # quantization did happen
+        if kernel_inputs == "float32":
+            torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-4)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+        else:
+            assert (got - want).norm() / want.norm() < 3e-2
 
 
 @pytest.mark.slow
