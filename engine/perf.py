@@ -39,25 +39,25 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: 
 
 def measure_matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str = "cpu",
                         quantization: str = "none") -> float:
-    """FLOP/s of an n x n x n matmul in `dtype`: the faster of torch.mm and, on CPU, the
-    multiply the model's linears run for this dtype and `quantization`
+    """FLOP/s of an n x n x n matmul in `dtype`: on CPU, of the multiply the model's linears
+    run for this dtype and `quantization`
     (layers/matmul.py prepared_matmul: oneDNN's packed product, bf16 widened to float32 on a
-    CPU without bf16 dot products, the quantized kernels), so MFU is against the kernels the
-    config runs and not a dtype the CPU cannot compute fast."""
+    CPU without bf16 dot products, the quantized kernels; torch.mm where none applies), so MFU
+    is against the kernels the config runs and not a dtype the CPU cannot compute fast."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
+    prepared = prepared_matmul(b.t().contiguous(), quantization, dtype) if device == "cpu" else None
+    if prepared is not None:
+        # NOTE: not torch.mm as well: in bf16 on a CPU without bf16 dot products it runs at
+        # ~1 GFLOP/s, and timing it alone cost 12 s of every bf16 start on an AVX2 EPYC
+        return 2 * n ** 3 / _best_of(lambda: prepared(a), repeats)
 
     def run():
         torch.mm(a, b)
         if device != "cpu":
             torch.cuda.synchronize()
 
-    best = _best_of(run, repeats)
-    if device == "cpu":
-        prepared = prepared_matmul(b.t().contiguous(), quantization, dtype)
-        if prepared is not None:
-            best = min(best, _best_of(lambda: prepared(a), repeats))
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / _best_of(run, repeats)
 
 
 @dataclass(frozen=True)

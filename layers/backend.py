@@ -180,6 +180,8 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", cpu_i
 MATMULS = {"int4": "int4 groups (torch's _weight_int4pack_mm), the head int8",
            "int8": "int8 weights (torch's _weight_int8pack_mm)",
            "w8a8": "oneDNN u8 x s8 (VNNI) on 8-bit rows"}
+BF16_INPUTS = " on bfloat16 inputs"
+"""How a float32 model's weight-only kernels take their inputs (meshserve.layers.quant.kernel_dtype)."""
 
 
 def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head_dim: int,
@@ -188,11 +190,14 @@ def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head
     packed float32; attention: cpu backend, C++ paged decode (avx2 build), prefill SDPA;
     norm/act: C++ (avx2 build)`."""
     name = str(dtype).removeprefix("torch.")
+    on_cpu = torch.device(device).type == "cpu"
     if quantization != "none":
-        matmul = MATMULS[quantization]
-    elif torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and (
+        matmul = MATMULS[quantization] + (BF16_INPUTS if dtype == torch.float32 and quantization != "w8a8" else "")
+    elif on_cpu and torch.backends.mkldnn.is_available() and (
             dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
         matmul = f"oneDNN packed {name}"
+    elif on_cpu and dtype == torch.bfloat16:
+        matmul = "torch bfloat16 below 16 rows, oneDNN float32 on widened weights from 16 (no bf16 dot products)"
     else:
         matmul = f"torch {name}"
     return f"matmul: {matmul}; {backend.summary(head_dim)}"

@@ -17,7 +17,7 @@ ratio, MBU, prefill) and each round's ratios. Compiled variants reuse inductor's
 cache after the first round, so later rounds' compile times are the cached start-up.
 
     pip install 'llama-cpp-python[server]'
-    python scripts/bench_cpu.py [--variants float32 bfloat16 bfloat16:int4] [--repeats 3] [--rounds 3]
+    python scripts/bench_cpu.py [--variants float32 bfloat16 bfloat16:int4] [--repeats 3] [--rounds 3] [--no-peer]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def run_variant(args, variant: str, prompt: list[int]) -> dict:
     build_seconds = time.perf_counter() - built
     compiled = engine.executor.runner.compiled
     cost = ModelCost(info, DTYPE_BYTES[dtype], quantization)
-    peak = measure_matmul_peak(DTYPES[dtype])
+    peak = measure_matmul_peak(DTYPES[dtype], quantization=quantization)
     ctx = args.prompt_len + args.output_len // 2
     step_bytes = cost.weight_bytes + ctx * cost.kv_bytes_per_token
     bandwidths, speeds = [], []
@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run the peer and every variant this many times in turn")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default="results/bench_cpu.json")
+    ap.add_argument("--no-peer", action="store_true", help="meshserve's variants only (no llama-cpp-python)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -165,7 +166,7 @@ def main() -> None:
     peers: list[float] = []
     runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
     for r in range(args.rounds):
-        peers.append(child(args, "--peer", gguf)["tok_s"])
+        peers.append(float("nan") if args.no_peer else child(args, "--peer", gguf)["tok_s"])
         print(f"round {r + 1}/{args.rounds}: llama.cpp in-process (Q4_1) {peers[-1]:.1f} tok/s", flush=True)
         for variant in args.variants:
             row = child(args, "--variant", variant)
