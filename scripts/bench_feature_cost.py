@@ -58,18 +58,19 @@ def main() -> int:
     sampled = ["--temperature", "1.0"]
     try:
         for i, name in enumerate(names):
-            overrides = ["cache.memory=256MiB", *args.overrides, *ARMS[name]]
+            overrides = ["cache.memory=512MiB", "model.max_model_len=1024", *args.overrides, *ARMS[name]]
             servers[name] = Served(name, [
                 sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
                 "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", *[a for o in overrides for a in ("--set", o)]],
                 out_dir / f"server{i}.log")
         for i, name in enumerate(names):
             urls[name] = servers[name].wait_http(None)
-            bench(urls[name], args.concurrency, args, out_dir / f"warmup{i}.json", sampled)
+            bench(urls[name], args.concurrency, args, out_dir / f"warmup{i}.json", sampled, seed=1000)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 print(f"# round {r}: {name} ...", file=sys.stderr, flush=True)
-                res = bench(urls[name], args.concurrency, args, out_dir / f"arm{names.index(name)}_r{r}.json", sampled)
+                res = bench(urls[name], args.concurrency, args, out_dir / f"arm{names.index(name)}_r{r}.json", sampled,
+                            seed=r)  # every arm the same prompts in a round, none seen before
                 runs[name].append({k: res[k] for k in KEYS})
     finally:
         for s in servers.values():

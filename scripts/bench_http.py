@@ -80,13 +80,15 @@ class Served:
         self._log.close()
 
 
-def bench(url: str, concurrency: int, args, out: Path, extra: list[str] = ()) -> dict:
-    """One `meshserve bench` run; `extra`: more of its flags (e.g. --temperature 1.0)."""
+def bench(url: str, concurrency: int, args, out: Path, extra: list[str] = (), seed: int = 0) -> dict:
+    """One `meshserve bench` run; `extra`: more of its flags (e.g. --temperature 1.0). Give each
+    run on one server its own `seed`: the same seed sends the same prompts, which the server's
+    prefix cache then serves from the run before."""
     num_prompts = max(args.min_prompts, args.prompts_per_slot * concurrency)
     cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--num-prompts", str(num_prompts),
            "--max-concurrency", str(concurrency), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--slo", f"ttft={SLO['ttft']:g},tpot={SLO['tpot']:g}",
-           "--seed", "0", "--output", str(out), "--disable-tqdm", *extra]
+           "--seed", str(seed), "--output", str(out), "--disable-tqdm", *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -138,7 +140,7 @@ def main() -> int:
         for c in args.concurrency:
             for name, url in urls.items():
                 print(f"# {name}: concurrency {c} ...", file=sys.stderr, flush=True)
-                results[name][c] = bench(url, c, args, out_dir / f"{name}_c{c}.json")
+                results[name][c] = bench(url, c, args, out_dir / f"{name}_c{c}.json", seed=c)
     finally:
         for s in servers.values():
             s.stop()

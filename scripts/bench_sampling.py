@@ -51,12 +51,14 @@ def main() -> int:
                                   *[a for o in args.overrides for a in ("--set", o)]], out_dir / "meshserve.log")
     try:
         url = served.wait_http(None)
-        bench(url, args.concurrency, args, out_dir / "warmup.json", SETTINGS["temperature 1.0"])
+        bench(url, args.concurrency, args, out_dir / "warmup.json", SETTINGS["temperature 1.0"], seed=1000)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 print(f"# round {r}: {name} ...", file=sys.stderr, flush=True)
                 tag = name.split(" ")[0] + ("_top_p" if "top_p" in name else "")
-                res = bench(url, args.concurrency, args, out_dir / f"{tag}_r{r}.json", SETTINGS[name])
+                # a seed per run: prompts the prefix cache has not seen
+                res = bench(url, args.concurrency, args, out_dir / f"{tag}_r{r}.json", SETTINGS[name],
+                            seed=r * len(names) + names.index(name))
                 runs[name].append({k: res[k] for k in KEYS})
     finally:
         served.stop()

@@ -34,11 +34,10 @@ CONFIGS = REPO / "configs"
 
 SWITCHES = {
     "float32": [],
-    "float32+compile": ["device.compile=true"],
     "bfloat16": ["model.dtype=bfloat16"],
-    "int8": ["model.quantization=int8"],
+    "int8 (bf16)": ["model.quantization=int8"],
     "int4 (smollm2-cpu-int4.yaml)": [f"@{CONFIGS / 'smollm2-cpu-int4.yaml'}"],
-    "float32+int4+compile": ["model.dtype=float32", "model.quantization=int4", "device.compile=true"],
+    "float32+int4": ["model.dtype=float32", "model.quantization=int4"],
     "w8a8 (smollm2-cpu-w8a8.yaml)": [f"@{CONFIGS / 'smollm2-cpu-w8a8.yaml'}"],
 }
 """name -> overrides; `@FILE` names the config file the overrides apply to."""
@@ -71,7 +70,7 @@ def run_config(name: str, overrides: list[str], args, out_dir: Path, round_no: i
         result = {"ready_s": time.perf_counter() - start, "runs": {}}
         for c in args.concurrency:
             print(f"# round {round_no} {name}: concurrency {c} ...", file=sys.stderr, flush=True)
-            r = bench(url, c, args, out_dir / f"{tag}_r{round_no}_c{c}.json")
+            r = bench(url, c, args, out_dir / f"{tag}_r{round_no}_c{c}.json", seed=c)  # no prompt of the run before
             result["runs"][str(c)] = {k: r[k] for k in (*KEYS, "completed", "num_prompts")}
         return result
     finally:

@@ -52,14 +52,15 @@ def main() -> int:
             servers[name] = Served(name, [
                 sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
                 "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", "--set", "cache.memory=256MiB",
+                "--set", "model.max_model_len=1024",
                 *[a for o in overrides for a in ("--set", o)]], out_dir / f"server{i}.log", env=env | extra_env)
         for name in names:
             urls[name] = servers[name].wait_http(None)
-            bench(urls[name], 1, args, out_dir / f"warmup{names.index(name)}.json")
+            bench(urls[name], 1, args, out_dir / f"warmup{names.index(name)}.json", seed=1000)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 print(f"# round {r}: {name} ...", file=sys.stderr, flush=True)
-                res = bench(urls[name], 1, args, out_dir / f"arm{names.index(name)}_r{r}.json")
+                res = bench(urls[name], 1, args, out_dir / f"arm{names.index(name)}_r{r}.json", seed=r)
                 runs[name].append({k: res[k] for k in KEYS})
     finally:
         for s in servers.values():

@@ -134,11 +134,14 @@ def main() -> int:
         for r in range(args.rounds):
             names = list(servers)
             for c in args.concurrency:
+                # prompts no server has seen (each keeps a prefix cache); the same on every server
+                run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 100 * r + c})
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     for client, fn in clients.items():
                         print(f"# round {r + 1}: {name} c={c} {client}", file=sys.stderr, flush=True)
                         tag = f"{name}_{client.split()[0]}_c{c}_r{r}.json"
-                        runs.setdefault(f"{name}|{client}|{c}", []).append(fn(servers[name][1], c, args, out / tag))
+                        runs.setdefault(f"{name}|{client}|{c}", []).append(
+                            fn(servers[name][1], c, run_args, out / tag))
     finally:
         for s, _ in servers.values():
             s.stop()
