@@ -60,8 +60,9 @@ def llama_cpp_decode(gguf: str, prompt: list[int], output_len: int, threads: int
     return output_len / (time.perf_counter() - start)
 
 
-def prefill_seconds(engine, length: int) -> float:
-    engine.add_request("prefill", "prefill", make_prompts(1, length, seed=1)[0],
+def prefill_seconds(engine, length: int, seed: int) -> float:
+    """One prompt of `length` tokens, new to the engine's prefix cache (a seed per call)."""
+    engine.add_request("prefill", "prefill", make_prompts(1, length, seed=seed)[0],
                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     start = time.perf_counter()
     while engine.has_work():
@@ -99,7 +100,7 @@ def run_variant(args, variant: str, prompt: list[int]) -> dict:
         bandwidths.append(measure_memory_bandwidth())
         speeds.append(args.output_len / run_meshserve(engine, [prompt], args.output_len)[1])
     decode = statistics.median(speeds)
-    prefill = statistics.median(prefill_seconds(engine, args.prefill_len) for _ in range(args.repeats))
+    prefill = statistics.median(prefill_seconds(engine, args.prefill_len, seed=1 + i) for i in range(args.repeats))
     return {"variant": variant, "dtype": dtype, "quantization": quantization, "compile": compiled is not None,
             "compile_seconds": compiled.compile_seconds if compiled else 0.0, "build_seconds": build_seconds,
             "compiled_steps": compiled.steps if compiled else 0, "decode_tok_s": decode,

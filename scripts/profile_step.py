@@ -65,10 +65,11 @@ def op_group_shares(prof) -> dict[str, float]:
 
 
 def profile_prefill(engine, args, prompts, params) -> None:
-    """--prefill: one step prefilling every prompt, after a throwaway one of the same size."""
+    """--prefill: one step prefilling every prompt, after a throwaway one of the same size
+    (other tokens: the prefix cache would serve the same prompts)."""
     for round_ in ("warm-up", "profiled"):
         for i, p in enumerate(prompts):
-            engine.add_request((round_, i), f"{round_}-{i}", p, params)
+            engine.add_request((round_, i), f"{round_}-{i}", [t + 1 for t in p] if round_ == "warm-up" else p, params)
         if round_ == "profiled":
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 start = time.perf_counter()
