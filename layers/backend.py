@@ -32,6 +32,7 @@ import torch
 from meshserve.comm.groups import AxisGroup
 from meshserve.layers import activation, attention, norm, rotary
 from meshserve.layers.kernels import cpu_attention, cpu_library, triton_available
+from meshserve.layers.matmul import dense_kernel_chosen
 from meshserve.parallel import context_attention, ring_attention
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,8 @@ def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head
     on_cpu = torch.device(device).type == "cpu"
     if quantization != "none":
         matmul = MATMULS[quantization] + (BF16_INPUTS if dtype == torch.float32 and quantization != "w8a8" else "")
+    elif dense_kernel_chosen(device, dtype):
+        matmul = f"C++ AVX2 on {name} weights as stored"
     elif on_cpu and torch.backends.mkldnn.is_available() and (
             dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
         matmul = f"oneDNN packed {name}"

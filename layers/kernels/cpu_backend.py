@@ -5,10 +5,9 @@ int8) in place through the block table, so its metadata carries each decode's ca
 length instead of the torch backend's mask; the prefill chunks with no cached prefix run
 in one call of the C++ causal kernel (their spans in the metadata) where it beats SDPA
 (`cpu_attention.prefill_fits`), the chunks after a cached prefix in the torch path. The
-int8 cache's rows are quantized in C++, and RMSNorm and silu-and-mul are one C++ pass
-each outside compiled graphs: 0.14 vs 0.41 ms and 0.55 vs 0.85 ms on SmolLM2's 2048-token
-prefill rows (bf16, 2 cores). Rotary and the context-parallel LSE attentions are the
-torch backend's.
+int8 cache's rows are quantized in C++, and RMSNorm, silu-and-mul and rotary are one C++
+pass each outside compiled graphs: 0.14 vs 0.41 ms and 0.55 vs 0.85 ms on SmolLM2's 2048-token
+prefill rows (bf16, 2 cores). The context-parallel LSE attentions are the torch backend's.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.layers import activation, attention, kv_quant, norm
+from meshserve.layers import activation, attention, kv_quant, norm, rotary
 from meshserve.layers.attention import PagedMetadata
 from meshserve.layers.backend import TorchBackend
 from meshserve.layers.kernels import cpu_attention, cpu_library
@@ -55,6 +54,9 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
     torch backend does."""
     attention.store_kv(kv_cache, k, v, meta.slot_mapping, quantize=kv_quant.quantize_native)
     k_cache, v_cache = kv_cache
+    if meta.decode_only:  # every row decodes, in order
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                                                    scale)
     fused = meta.fresh_chunks is not None and cpu_attention.prefill_fits(q.shape[-1])
     out = cpu_attention.prefill_attention(q, k, v, meta.fresh_chunks, scale) if fused else torch.empty_like(q)
     if meta.decode_rows is not None:
@@ -82,6 +84,12 @@ class CpuBackend(TorchBackend):
             return norm.rms_norm(x, weight, eps, residual)
         out, total = cpu_library.ops.rms_norm(x, weight, eps, residual)
         return out if residual is None else (out, total)
+
+    @staticmethod
+    def rotary(rope, q, k):
+        if torch.compiler.is_compiling() or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return rotary.RotaryEmbedding.apply(rope, q, k)
+        return cpu_library.ops.rotary(q, k, *rope)
 
     @staticmethod
     def silu_and_mul(x):

@@ -2,9 +2,11 @@
 and the causal attention of a prompt's first chunk (cpu_prefill_attention.cpp), both wrapped
 by cpu_attention.py, the w8a8 linears' row quantization and the int8 KV cache's
 (cpu_quantize_rows.cpp, used by meshserve.layers.quant and meshserve.layers.kv_quant), and
-RMSNorm, silu-and-mul (for the cpu backend's eager steps) and greedy sampling's argmax in one
+RMSNorm, silu-and-mul and rotary (for the cpu backend's eager steps) and greedy sampling's argmax in one
 pass each (cpu_norm_act.cpp), and random sampling with temperature, top-k and top-p
-(cpu_sample.cpp, with the grammar masks of structured outputs).
+(cpu_sample.cpp, with the grammar masks of structured outputs), and the products of float32
+and bfloat16 weights as stored on AVX2 CPUs (cpu_dense_linear.cpp, used by
+meshserve.layers.matmul).
 
 **One build per instruction set** (meshserve.configs.cpu_features.ISAS): `avx512`, `avx2`,
 `scalar`. Each registers its ops under its own namespace (`torch.ops.meshserve_cpu_avx2`,
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE_NAMES = ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp",
-                "cpu_sample.cpp")
+                "cpu_sample.cpp", "cpu_dense_linear.cpp")
 HEADER_NAMES = ("cpu_vec.h",)
 SOURCES = [KERNEL_DIR / name for name in SOURCE_NAMES]
 
@@ -229,9 +231,18 @@ def _mask_rows_shape(logits, bitmask, rows):
     return logits.new_empty(rows.shape[0], dtype=torch.bool)
 
 
+def _rotary_shape(q, k, cos, sin):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _dense_linear_shape(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
           "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
           "rms_norm": _rms_norm_shape, "silu_and_mul": _silu_and_mul_shape, "argmax_rows": _argmax_rows_shape,
-          "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape}
+          "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape, "dense_linear": _dense_linear_shape,
+          "rotary": _rotary_shape}
 """Each op's shape function, for torch.compile."""

@@ -133,10 +133,13 @@ def test_the_start_up_line_names_the_build_and_the_kernels(cpu_isa):
     line = kernel_summary(CpuBackend(), torch.float32, "none", 64)
     assert f"C++ paged decode ({cpu_isa} build)" in line and f"norm/act: C++ ({cpu_isa} build)" in line
     assert ("prefill C++ causal" in line) == (cpu_isa == "avx512")
-    assert line.startswith("matmul: oneDNN packed float32" if torch.backends.mkldnn.is_available() else "matmul: torch")
+    if cpu_isa == "avx2":
+        assert line.startswith("matmul: C++ AVX2 on float32 weights as stored")
+    else:
+        assert line.startswith("matmul: oneDNN packed float32" if torch.backends.mkldnn.is_available() else "matmul: torch")
     assert kernel_summary(TorchBackend(), torch.bfloat16, "int4", 64) == (
         "matmul: int4 groups (torch's _weight_int4pack_mm), the head int8; attention, norm/act: torch backend")
     assert kernel_summary(TorchBackend(), torch.float32, "int8", 64).startswith(
         "matmul: int8 weights (torch's _weight_int8pack_mm) on bfloat16 inputs;")
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported() and cpu_isa != "avx2":
         assert "oneDNN float32 on widened weights" in kernel_summary(TorchBackend(), torch.bfloat16, "none", 64)

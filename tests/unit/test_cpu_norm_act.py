@@ -1,4 +1,4 @@
-"""The cpu backend's one-pass RMSNorm and silu-and-mul (layers/kernels/cpu_norm_act.cpp)
+"""The cpu backend's one-pass RMSNorm, silu-and-mul and rotary (layers/kernels/cpu_norm_act.cpp)
 against the torch references they replace in eager steps: float32, bf16 and float16, widths
 on and off the 16-wide vector path, with and without the residual; and the backend keeping
 the torch ops where it must (inside torch.compile, odd layouts). The sampler's argmax
@@ -13,6 +13,7 @@ from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.kernels.cpu_backend import CpuBackend
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.norm import rms_norm
+from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.sampler import argmax
 
 pytestmark = [pytest.mark.skipif(not cpu_library.available(), reason="no C++ compiler for the CPU kernels"),
@@ -51,6 +52,26 @@ def test_silu_and_mul_matches_the_torch_reference(dtype, rows, half):
     torch.testing.assert_close(got.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (7, 4, 4, 6), (33, 2, 1, 128)])
+def test_rotary_matches_the_torch_reference_on_views_of_the_qkv_product(dtype, tokens, heads, kv_heads, head_dim):
+    """q and k as the attention takes them: strided views of one qkv row per token; each
+    product and the sum rounded to the dtype as torch's ops round them."""
+    torch.manual_seed(0)
+    rope_table = RotaryEmbedding(head_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (tokens,))
+    rope = rope_table.lookup(positions, dtype)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    want_q, want_k = RotaryEmbedding.apply(rope, q, k)
+    got_q, got_k = CpuBackend.rotary(rope, q, k)
+    assert got_q.is_contiguous() and got_q.dtype == dtype and got_k.shape == k.shape
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 0.0, torch.float16: 0.0}[dtype]
+    torch.testing.assert_close(got_q, want_q, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(got_k, want_k, atol=tolerance, rtol=tolerance)
+
+
 def test_the_backend_keeps_torch_ops_inside_compile_and_for_odd_layouts():
     torch.manual_seed(0)
     x, weight = torch.randn(8, 64), torch.rand(64) + 0.5
@@ -69,6 +90,10 @@ def test_bad_shapes_are_refused():
         cpu_library.ops.rms_norm(torch.randn(4, 64), torch.ones(64), 1e-5, torch.randn(4, 64).double())
     with pytest.raises(RuntimeError, match=r"silu_and_mul takes contiguous \(rows, 2n\)"):
         cpu_library.ops.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="rotary takes q and k of"):
+        cpu_library.ops.rotary(torch.randn(2, 3, 5), torch.randn(2, 1, 5), torch.randn(2, 5), torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous"):
+        cpu_library.ops.rotary(torch.randn(2, 3, 4), torch.randn(2, 1, 4), torch.randn(2, 4), torch.randn(2, 4).double())
 
 
 @pytest.mark.parametrize("rows,n", [(32, 49152), (3, 7), (5, 16), (4, 33), (1, 1)])

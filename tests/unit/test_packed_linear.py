@@ -68,6 +68,7 @@ def test_bf16_on_a_cpu_without_bf16_products_widens_many_rows_to_float32(monkeyp
     exact = x.double() @ w.double().t()
     monkeypatch.setattr(matmul, "cpu_features", lambda: CpuFeatures(frozenset({"avx2", "fma", "f16c"})))
     monkeypatch.setattr(matmul, "packing_helps", lambda weight: False)
+    monkeypatch.setattr(matmul, "dense_kernel_helps", lambda weight: False)
     col = ColumnParallelLinear(64, 96, AxisGroup.single("tp"), dtype=torch.bfloat16)
     col.weight.weight_loader(col.weight, MemoryTensor(w))
     col.pack_weight()
@@ -78,3 +79,50 @@ def test_bf16_on_a_cpu_without_bf16_products_widens_many_rows_to_float32(monkeyp
     torch.testing.assert_close(got, F.linear(x, w), **TOLERANCE[torch.bfloat16])
     monkeypatch.setattr(matmul, "cpu_features", lambda: CpuFeatures(frozenset({"avx2", "fma", "amx_bf16"})))
     assert matmul.prepared_matmul(w) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_dense_kernel_matches_torch_in_every_build(cpu_isa, dtype):
+    """meshserve's product of a weight as stored (cpu_dense_linear.cpp), in each build this
+    CPU runs, against torch's: every tile shape (1, 2-3, 4+ rows), rows left over from a tile,
+    a K that is not a multiple of 8, leading dimensions, and no rows at all."""
+    from meshserve.layers.kernels import cpu_library
+
+    g = torch.Generator().manual_seed(1)
+    for rows, n, k in [(1, 96, 64), (1, 13, 20), (2, 29, 64), (3, 96, 37), (4, 96, 64), (7, 31, 576), (300, 50, 64),
+                       (0, 8, 16)]:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        got = cpu_library.ops.dense_linear(x, w)
+        want = F.linear(x.float(), w.float())
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+    x3 = torch.randn(2, 3, 64, generator=g).to(dtype)
+    torch.testing.assert_close(cpu_library.ops.dense_linear(x3, w := torch.randn(40, 64, generator=g).to(dtype)).float(),
+                               F.linear(x3.float(), w.float()), **TOLERANCE[dtype])
+
+
+def test_the_avx2_build_multiplies_weights_as_stored(cpu_isa):
+    """The layers take the dense kernel in the avx2 build only (an AVX-512 CPU keeps oneDNN),
+    keep one copy of the weight, and match torch's product."""
+    from meshserve.layers import matmul
+
+    tp = AxisGroup.single("tp")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=g)
+    col = ColumnParallelLinear(64, 96, tp, dtype=torch.float32)
+    col.weight.weight_loader(col.weight, MemoryTensor(w))
+    col.pack_weight()
+    assert isinstance(col.packed, matmul.DenseCpuMatmul) == (cpu_isa == "avx2")
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(col(x), F.linear(x, w), **TOLERANCE[torch.float32])
+    table = torch.randn(50, 32, generator=g)
+    emb = VocabParallelEmbedding(50, 32, tp, torch.float32)
+    emb.weight.weight_loader(emb.weight, MemoryTensor(table))
+    head = ParallelLMHead(50, 32, tp, torch.float32, tied_to=emb)
+    head.pack_weight()
+    if cpu_isa == "avx2":
+        assert head.packed.weight.data_ptr() == emb.weight.data_ptr()  # the embedding's table, not a copy
+    h = torch.randn(3, 32, generator=g)
+    torch.testing.assert_close(head(h), F.linear(h, table), **TOLERANCE[torch.float32])
