@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshserve.configs.cache import CACHE_ROOT, file_key
+from meshserve.configs.cpu_bind import rank_cores, thread_share
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.model_info import resolve_model_path
 from meshserve.configs.schema import Config
@@ -58,8 +59,9 @@ def target_of(config: Config) -> str:
 def threads_per_rank(config: Config, cores: int | None = None) -> int:
     """The intra-op threads each rank of this node runs, as the launcher places them
     (before OMP_NUM_THREADS, which only the launcher reads)."""
-    cores = cores or len(usable_cores())
-    share = max(1, cores // max(1, config.ranks_per_node))
+    available = list(range(cores)) if cores else usable_cores()
+    share = thread_share(rank_cores(config.device.cpu_bind, available, 0, config.ranks_per_node), available,
+                         config.ranks_per_node)
     return min(config.device.threads or share, share)
 
 

@@ -40,6 +40,21 @@ def auto_share(cores: list[int], local_rank: int, local_world_size: int) -> list
     return cores[local_rank * per:(local_rank + 1) * per]
 
 
+def rank_cores(bind: str | list, cores: list[int], local_rank: int, local_world_size: int) -> list[int] | None:
+    """Local rank `local_rank`'s cores under device.cpu_bind `bind` (None: `none`, unbound)."""
+    if bind == "none":
+        return None
+    if bind == "auto":
+        return auto_share(cores, local_rank, local_world_size)
+    return parse_cpu_list(bind[local_rank])
+
+
+def thread_share(mine: list[int] | None, cores: list[int], local_world_size: int) -> int:
+    """The most intra-op threads a rank of `local_world_size` on `cores` runs: its own
+    cores (`mine`), or, unbound, its equal share of the node's (at least one)."""
+    return len(mine) if mine is not None else max(1, len(cores) // max(1, local_world_size))
+
+
 def cpu_bind_problems(bind: str | list, ranks_per_node: int, cores: list[int]) -> list[str]:
     """An explicit device.cpu_bind: one list per local rank, of cores that exist here, with
     no core in two lists."""

@@ -106,8 +106,13 @@ class DeviceConfig(Section):
     launches its kernels one by one."""
     compile: bool = False
     """Run decode steps through torch.compile (inductor, weights frozen): fuses the small
-    ops between matmuls, for one or a few streams on CPU. Compiles at start-up (tens of
-    seconds); one rank only (parallel sizes 1), device.type=cpu."""
+    ops between matmuls, for one or a few streams on CPU. Compiles for tens of seconds, in
+    the background while decode steps run eagerly (see compile_wait); one rank only
+    (parallel sizes 1), device.type=cpu."""
+    compile_wait: bool = False
+    """With compile: true, false (the default) serves from the start, decode steps eager
+    until the compiled graphs are ready; true waits for the compile before the server is
+    ready (every decode step compiled from the first)."""
 
 
 class CacheConfig(Section):

@@ -44,7 +44,8 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
                        layer_counts=stage_layers(config, info), kernels=device_cfg.kernels, cpu_isa=device_cfg.cpu_isa,
                        compile_decode=device_cfg.compile, calibration=calibration_ids(config, info, tokenizer),
                        expert_exchange=config.parallel.expert_exchange,
-                       decode_graphs=config.scheduler.max_num_seqs if uses_decode_graphs(config) else 0)
+                       decode_graphs=config.scheduler.max_num_seqs if uses_decode_graphs(config) else 0,
+                       compile_in_background=not device_cfg.compile_wait)
 
 
 def uses_decode_graphs(config: Config) -> bool:

@@ -5,6 +5,8 @@ sampling rank) sample.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +32,8 @@ from meshserve.parallel.context import rank_share
 from meshserve.parallel.context_attention import CPSeqStep, build_cp_metadata
 from meshserve.parallel.pipeline import StageSender
 from meshserve.parallel.topology import Groups
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,7 +94,7 @@ class ModelRunner:
                  sampler_seed: int | None = None, show_progress: bool = False,
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool = False,
                  calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
-                 decode_graphs: int = 0):
+                 decode_graphs: int = 0, compile_in_background: bool = False):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py), compiled here.
@@ -98,7 +102,9 @@ class ModelRunner:
         build of the C++ CPU kernels (device.cpu_isa: auto | avx512 | avx2 | scalar).
         `expert_exchange`: parallel.expert_exchange (layers.moe). `decode_graphs`: the
         largest batch whose decode steps replay captured graphs (engine/decode_graphs.py;
-        0: none); the KV cache then has one more block, the padding rows' scratch."""
+        0: none); the KV cache then has one more block, the padding rows' scratch.
+        `compile_in_background`: compile in a thread of its own while decode steps run
+        eagerly, and switch to the graphs once they are ready (device.compile_wait=false)."""
         self.info, self.memory, self.groups = info, memory, groups
         self.device = torch.device(device)
         self.dtype = DTYPES[memory.dtype]
@@ -117,15 +123,24 @@ class ModelRunner:
         int8 = memory.kv_dtype == "int8"
         shape = (memory.num_blocks, memory.block_size, heads, kv_quant.row_length(info.head_dim) if int8 else info.head_dim)
         cache_dtype = torch.int8 if int8 else self.dtype
-        if decode_graphs:
-            shape = (shape[0] + 1, *shape[1:])  # block num_blocks: the graphs' scratch
+        if decode_graphs or compile_decode:
+            shape = (shape[0] + 1, *shape[1:])  # block num_blocks: the graphs' or the warm-up's scratch
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
         self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
                            torch.zeros(shape, dtype=cache_dtype, device=self.device)) for _ in model.layers]
         self.compiled = None
+        """The compiled decode step once it is ready (decode steps run eagerly until then)."""
+        self.compile_thread = None
         if compile_decode:
-            self.compiled = CompiledDecode(self.model)
-            self.compiled.warm_up(self.model.backend, self.kv_caches, memory.block_size, self.device)
+            compiled = CompiledDecode(self.model)
+            warm_up = (self.model.backend, self.kv_caches, memory.block_size, memory.num_blocks, self.device)
+            if compile_in_background:
+                self.compile_thread = threading.Thread(target=self._compile, args=(compiled, warm_up),
+                                                       name="meshserve-compile", daemon=True)
+                self.compile_thread.start()
+            else:
+                compiled.warm_up(*warm_up)
+                self.compiled = compiled
         self._moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         """Read for each RankStats (every STATS_INTERVAL_S on a follower): found once."""
         self.graphs = None
@@ -140,6 +155,16 @@ class ModelRunner:
         self.kv: KvAgent | None = None
         """Disaggregated prefill/decode: this rank's KV transfers (engine/kv_agent.py)."""
 
+
+    def _compile(self, compiled: CompiledDecode, warm_up: tuple) -> None:
+        """The background compile: decode steps switch to the graphs once they are ready; a
+        failure leaves them eager (and says why)."""
+        try:
+            compiled.warm_up(*warm_up)
+        except Exception:  # noqa: BLE001 - any compiler failure: serving goes on eagerly
+            log.exception("compiling the decode step failed; decode steps stay eager")
+            return
+        self.compiled = compiled
     def take_landed(self) -> dict[int, bool]:
         """Whether each transfer the last plan landed arrived whole (KvAgent)."""
         return self.kv.take_landed() if self.kv is not None else {}

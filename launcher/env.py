@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from meshserve.configs.cpu_bind import auto_share, parse_cpu_list
+from meshserve.configs.cpu_bind import rank_cores, thread_share
 from meshserve.configs.cpu_features import usable_cores
 from meshserve.configs.schema import ClusterConfig, Config, DeviceConfig
 
@@ -73,13 +73,8 @@ def cpu_placement(device: DeviceConfig, local_rank: int, local_world_size: int,
     more than its share: the ranks of a node together run at most as many threads as it has
     cores (one each when there are more ranks than cores)."""
     available = cores if cores is not None else usable_cores()
-    if device.cpu_bind == "none":
-        mine = None
-    elif device.cpu_bind == "auto":
-        mine = auto_share(available, local_rank, local_world_size)
-    else:
-        mine = parse_cpu_list(device.cpu_bind[local_rank])
-    share = len(mine) if mine is not None else max(1, len(available) // max(1, local_world_size))
+    mine = rank_cores(device.cpu_bind, available, local_rank, local_world_size)
+    share = thread_share(mine, available, local_world_size)
     wanted = device.threads or user_threads()
     if wanted is None or wanted <= share:
         return CpuPlacement(wanted or share, mine)

@@ -187,9 +187,9 @@ BF16_INPUTS = " on bfloat16 inputs"
 
 def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head_dim: int,
                    device: torch.device | str = "cpu") -> str:
-    """One start-up line: what computes each op of this rank's model, e.g. `matmul: oneDNN
-    packed float32; attention: cpu backend, C++ paged decode (avx2 build), prefill SDPA;
-    norm/act: C++ (avx2 build)`."""
+    """One start-up line: what computes each op of this rank's model, e.g. `matmul: C++ AVX2
+    on float32 weights as stored; attention: cpu backend, C++ paged decode (avx2 build),
+    prefill SDPA; norm/act/rotary: C++ (avx2 build) in eager steps`."""
     name = str(dtype).removeprefix("torch.")
     on_cpu = torch.device(device).type == "cpu"
     if quantization != "none":

@@ -85,7 +85,8 @@ def run_variant(args, variant: str, prompt: list[int]) -> dict:
     against that probe: the machine's bandwidth drifts by tens of percent between minutes."""
     dtype, quantization, compile_decode = parse_variant(variant)
     config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
-                                "model.max_model_len=1024", f"device.compile={compile_decode}"])
+                                "model.max_model_len=1024", f"device.compile={compile_decode}",
+                                "device.compile_wait=true"])
     info = check_config(config)
     built = time.perf_counter()
     engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)

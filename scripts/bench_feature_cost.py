@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
-from bench_http import Served, bench, free_port
+from bench_http import bench, medians, meshserve_server, rotating_rounds
 
 from meshserve.configs.cpu_features import cpu_features
 
@@ -54,42 +53,39 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(ARMS)
     servers, urls = {}, {}
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     sampled = ["--temperature", "1.0"]
+
+    def run(name: str, r: int) -> dict:
+        res = bench(urls[name], args.concurrency, args, out_dir / f"arm{names.index(name)}_r{r}.json", sampled,
+                    seed=r)  # every arm the same prompts in a round, none seen before
+        return {k: res[k] for k in KEYS}
+
     try:
         for i, name in enumerate(names):
             overrides = ["cache.memory=512MiB", "model.max_model_len=1024", *args.overrides, *ARMS[name]]
-            servers[name] = Served(name, [
-                sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
-                "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", *[a for o in overrides for a in ("--set", o)]],
-                out_dir / f"server{i}.log")
+            servers[name] = meshserve_server(name, overrides, out_dir / f"server{i}.log")
         for i, name in enumerate(names):
             urls[name] = servers[name].wait_http(None)
             bench(urls[name], args.concurrency, args, out_dir / f"warmup{i}.json", sampled, seed=1000)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                print(f"# round {r}: {name} ...", file=sys.stderr, flush=True)
-                res = bench(urls[name], args.concurrency, args, out_dir / f"arm{names.index(name)}_r{r}.json", sampled,
-                            seed=r)  # every arm the same prompts in a round, none seen before
-                runs[name].append({k: res[k] for k in KEYS})
+        runs = rotating_rounds(names, args.rounds, run)
     finally:
         for s in servers.values():
             s.stop()
 
-    medians = {n: {k: statistics.median(run[k] for run in runs[n]) for k in KEYS} for n in names}
-    base = medians[names[0]]["output_throughput"]
+    by_arm = medians(runs, KEYS)
+    base = by_arm[names[0]]["output_throughput"]
     print(f"\nSmolLM2-135M-Instruct, concurrency {args.concurrency}, {args.input_len}/{args.output_len} tokens, "
           f"temperature 1.0, medians of {args.rounds} rounds; CPU: {cpu_features().describe()}, "
           f"{os.cpu_count()} cores")
     print(f"{'arm':<32}{'out tok/s':>10}{'vs base':>9}{'TPOT p99':>10}  rounds (tok/s)")
     for n in names:
-        m = medians[n]
+        m = by_arm[n]
         each = ", ".join(f"{run['output_throughput']:.1f}" for run in runs[n])
         print(f"{n:<32}{m['output_throughput']:>10.1f}{m['output_throughput'] / base:>8.3f}x"
               f"{m['p99_tpot_ms']:>10.1f}  {each}")
     summary = {"cpu": cpu_features().describe(), "cores": os.cpu_count(), "concurrency": args.concurrency,
-               "rounds": runs, "medians": medians,
-               "ratio_to_baseline": {n: medians[n]["output_throughput"] / base for n in names}}
+               "rounds": runs, "medians": by_arm,
+               "ratio_to_baseline": {n: by_arm[n]["output_throughput"] / base for n in names}}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {out_dir}/", file=sys.stderr)
     return 0

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -80,6 +81,28 @@ class Served:
         self._log.close()
 
 
+def meshserve_server(name: str, overrides: list[str], log: Path, env: dict[str, str] | None = None) -> Served:
+    """`meshserve serve` on free ports, with these config overrides."""
+    return Served(name, [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
+                         "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}",
+                         *[a for o in overrides for a in ("--set", o)]], log, env=env)
+
+
+def rotating_rounds(names: list[str], rounds: int, run) -> dict[str, list[dict]]:
+    """`run(name, round)` for every name in each round, the order rotating from round to
+    round (drift on a shared machine falls on every arm alike): name -> its runs."""
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            print(f"# round {r}: {name} ...", file=sys.stderr, flush=True)
+            runs[name].append(run(name, r))
+    return runs
+
+
+def medians(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    return {n: {k: statistics.median(run[k] for run in each) for k in keys} for n, each in runs.items()}
+
+
 def bench(url: str, concurrency: int, args, out: Path, extra: list[str] = (), seed: int = 0) -> dict:
     """One `meshserve bench` run; `extra`: more of its flags (e.g. --temperature 1.0). Give each
     run on one server its own `seed`: the same seed sends the same prompts, which the server's
@@ -121,10 +144,8 @@ def main() -> int:
     servers: dict[str, Served] = {}
     urls: dict[str, str] = {}
     try:
-        servers["meshserve"] = Served("meshserve", [
-            sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
-            "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", *[a for o in args.overrides for a in ("--set", o)]],
-            out_dir / "meshserve.log", env=os.environ | dict(e.split("=", 1) for e in args.env))
+        servers["meshserve"] = meshserve_server("meshserve", args.overrides, out_dir / "meshserve.log",
+                                                env=os.environ | dict(e.split("=", 1) for e in args.env))
         if not args.no_peer:
             port = free_port()
             # NOTE: use_extra_bufts=False (set by the wrapper): the stock build dies with SIGILL in

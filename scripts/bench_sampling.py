@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
-from bench_http import Served, bench, free_port
+from bench_http import bench, medians, meshserve_server, rotating_rounds
 
 from meshserve.configs.cpu_features import cpu_features
 
@@ -45,39 +44,37 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(SETTINGS)
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    served = Served("meshserve", [sys.executable, "-m", "meshserve.launcher.cli", "serve",
-                                  "--set", "server.http=127.0.0.1:0", "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}",
-                                  *[a for o in args.overrides for a in ("--set", o)]], out_dir / "meshserve.log")
+    served = meshserve_server("meshserve", args.overrides, out_dir / "meshserve.log")
+
+    def run(name: str, r: int) -> dict:
+        tag = name.split(" ")[0] + ("_top_p" if "top_p" in name else "")
+        # a seed per run: prompts the prefix cache has not seen
+        res = bench(url, args.concurrency, args, out_dir / f"{tag}_r{r}.json", SETTINGS[name],
+                    seed=r * len(names) + names.index(name))
+        return {k: res[k] for k in KEYS}
+
     try:
         url = served.wait_http(None)
         bench(url, args.concurrency, args, out_dir / "warmup.json", SETTINGS["temperature 1.0"], seed=1000)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                print(f"# round {r}: {name} ...", file=sys.stderr, flush=True)
-                tag = name.split(" ")[0] + ("_top_p" if "top_p" in name else "")
-                # a seed per run: prompts the prefix cache has not seen
-                res = bench(url, args.concurrency, args, out_dir / f"{tag}_r{r}.json", SETTINGS[name],
-                            seed=r * len(names) + names.index(name))
-                runs[name].append({k: res[k] for k in KEYS})
+        runs = rotating_rounds(names, args.rounds, run)
     finally:
         served.stop()
 
-    medians = {n: {k: statistics.median(run[k] for run in runs[n]) for k in KEYS} for n in names}
-    base = medians["greedy"]["output_throughput"]
+    by_setting = medians(runs, KEYS)
+    base = by_setting["greedy"]["output_throughput"]
     print(f"\nSmolLM2-135M-Instruct, concurrency {args.concurrency}, {args.input_len}/{args.output_len} tokens, "
           f"medians of {args.rounds} rounds; config {' '.join(args.overrides) or 'default'}; "
           f"CPU: {cpu_features().describe()}, {os.cpu_count()} cores")
     print(f"{'setting':<30}{'out tok/s':>10}{'vs greedy':>10}{'TPOT p50':>10}{'TPOT p99':>10}  rounds (tok/s)")
     for n in names:
-        m = medians[n]
+        m = by_setting[n]
         each = ", ".join(f"{run['output_throughput']:.1f}" for run in runs[n])
         print(f"{n:<30}{m['output_throughput']:>10.1f}{m['output_throughput'] / base:>9.3f}x"
               f"{m['median_tpot_ms']:>10.1f}{m['p99_tpot_ms']:>10.1f}  {each}")
     summary = {"cpu": cpu_features().describe(), "cores": os.cpu_count(), "concurrency": args.concurrency,
                "input_len": args.input_len, "output_len": args.output_len, "overrides": args.overrides,
-               "rounds": runs, "medians": medians,
-               "ratio_to_greedy": {n: medians[n]["output_throughput"] / base for n in names}}
+               "rounds": runs, "medians": by_setting,
+               "ratio_to_greedy": {n: by_setting[n]["output_throughput"] / base for n in names}}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {out_dir}/", file=sys.stderr)
     return 0

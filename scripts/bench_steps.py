@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--output", default="results/bench_steps.json")
     args = ap.parse_args()
-    config = load_config(None, ["model.max_model_len=1024", *args.set])
+    config = load_config(None, ["model.max_model_len=1024", "device.compile_wait=true", *args.set])
     info = check_config(config)
     engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
     prompts = make_prompts(args.requests + args.concurrency, args.prompt_len, seed=3)

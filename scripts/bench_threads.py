@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
-from bench_http import Served, bench, free_port
+from bench_http import bench, medians, meshserve_server, rotating_rounds
 
 from meshserve.configs.cpu_features import cpu_features
 
@@ -45,42 +44,39 @@ def main() -> int:
     names = list(ARMS)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     servers, urls = {}, {}
-    runs: dict[str, list[dict]] = {n: [] for n in names}
+
+    def run(name: str, r: int) -> dict:
+        res = bench(urls[name], 1, args, out_dir / f"arm{names.index(name)}_r{r}.json", seed=r)
+        return {k: res[k] for k in KEYS}
+
     try:
         for i, name in enumerate(names):
             overrides, extra_env = ARMS[name]
-            servers[name] = Served(name, [
-                sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", "server.http=127.0.0.1:0",
-                "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", "--set", "cache.memory=256MiB",
-                "--set", "model.max_model_len=1024",
-                *[a for o in overrides for a in ("--set", o)]], out_dir / f"server{i}.log", env=env | extra_env)
+            servers[name] = meshserve_server(name, ["cache.memory=256MiB", "model.max_model_len=1024", *overrides],
+                                             out_dir / f"server{i}.log", env=env | extra_env)
         for name in names:
             urls[name] = servers[name].wait_http(None)
             bench(urls[name], 1, args, out_dir / f"warmup{names.index(name)}.json", seed=1000)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                print(f"# round {r}: {name} ...", file=sys.stderr, flush=True)
-                res = bench(urls[name], 1, args, out_dir / f"arm{names.index(name)}_r{r}.json", seed=r)
-                runs[name].append({k: res[k] for k in KEYS})
+        runs = rotating_rounds(names, args.rounds, run)
     finally:
         for s in servers.values():
             s.stop()
 
     warnings = {n: [line.strip() for line in s.log.read_text().splitlines() if "capped at" in line][:1]
                 for n, s in servers.items()}
-    medians = {n: {k: statistics.median(run[k] for run in runs[n]) for k in KEYS} for n in names}
+    by_arm = medians(runs, KEYS)
     print(f"\nSmolLM2-135M-Instruct, one stream, {args.input_len}/{args.output_len} tokens, medians of {args.rounds} "
           f"rounds; CPU: {cpu_features().describe()}, {os.cpu_count()} cores")
     print(f"{'server':<26}{'out tok/s':>10}{'TPOT p50':>10}{'TPOT p99':>10}  rounds (tok/s)")
     for n in names:
-        m = medians[n]
+        m = by_arm[n]
         each = ", ".join(f"{run['output_throughput']:.2f}" for run in runs[n])
         print(f"{n:<26}{m['output_throughput']:>10.2f}{m['median_tpot_ms']:>10.1f}{m['p99_tpot_ms']:>10.1f}  {each}")
-    ratio = medians[names[0]]["output_throughput"] / medians[names[1]]["output_throughput"]
+    ratio = by_arm[names[0]]["output_throughput"] / by_arm[names[1]]["output_throughput"]
     print(f"\ntp=3 with OMP_NUM_THREADS=2 / without: {ratio:.3f}x")
     for n, w in warnings.items():
         print(f"{n}: {w[0] if w else 'no thread-cap warning'}")
-    summary = {"cpu": cpu_features().describe(), "cores": os.cpu_count(), "rounds": runs, "medians": medians,
+    summary = {"cpu": cpu_features().describe(), "cores": os.cpu_count(), "rounds": runs, "medians": by_arm,
                "ratio_with_variable": ratio, "warnings": warnings}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {out_dir}/", file=sys.stderr)

@@ -1,10 +1,13 @@
-"""Serving SmolLM2-135M-Instruct: meshserve against vLLM's CPU build, both servers up
-together on the same Hugging Face directory, each measured by both benchmark clients
+"""Serving SmolLM2-135M-Instruct: meshserve against vLLM's CPU build, one server up at a
+time (started in turn, so that neither runs beside the other's memory and threads) on the
+same Hugging Face directory, each measured by both benchmark clients
 (`meshserve bench` and `vllm bench serve`), random 128-token prompts and exactly 128
 output tokens, at concurrency 1, 8 and 32, the same sampling for both clients (greedy by
 default; --temperature 1.0 for what vLLM's client sends when told nothing).
 
-Rounds alternate the order of the servers; the medians of each (server, client,
+Each round starts every server in turn, alternating which goes first, and gives every
+concurrency prompts no server has seen (a fresh server has an empty prefix cache anyway);
+the medians of each (server, client,
 concurrency) over --rounds are printed with the meshserve / vLLM ratios, and the clients'
 agreement on each server (their tok/s ratio). Every client JSON and a summary go under
 --out.
@@ -57,21 +60,22 @@ def hf_checkpoint(out: Path) -> Path:
     return out
 
 
-def start_servers(args, model: Path, out: Path) -> dict[str, tuple[Served, str]]:
+def server_commands(args, model: Path, out: Path) -> dict[str, tuple]:
+    """name -> (command, environment, URL or None for meshserve's ready line, log)."""
     cores = len(os.sched_getaffinity(0))
-    servers: dict[str, tuple[Served, str | None]] = {}
+    commands: dict[str, tuple] = {}
     vllms = {"vllm": f"0-{cores - 1}"} | ({"vllm-defaults": "auto"} if args.vllm_defaults else {})
     for name, bind in vllms.items():
         port = free_port()
         env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind}
         cmd = [args.vllm_python, str(HERE / "peers" / "vllm_cli.py"), "serve", str(model), "--dtype", args.dtype,
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2"]
-        servers[name] = (Served(name, cmd, out / f"{name}.log", env=env), f"http://127.0.0.1:{port}")
+        commands[name] = (cmd, env, f"http://127.0.0.1:{port}", out / f"{name}.log")
     cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={model}",
            "--set", f"model.dtype={args.dtype}", "--set", "server.http=127.0.0.1:0", "--set", "server.model_name=smollm2",
            "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", *[a for o in args.overrides for a in ("--set", o)]]
-    servers["meshserve"] = (Served("meshserve", cmd, out / "meshserve.log"), None)
-    return {name: (s, s.wait_http(url, timeout=1800)) for name, (s, url) in servers.items()}
+    commands["meshserve"] = (cmd, None, None, out / "meshserve.log")
+    return commands
 
 
 def meshserve_client(url: str, c: int, args, out: Path) -> dict:
@@ -126,25 +130,27 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = hf_checkpoint(REPO / "results" / "smollm2-hf-bf16")
-    servers = start_servers(args, model, out)
+    servers = server_commands(args, model, out)
     clients = {"meshserve bench": meshserve_client,
                "vllm bench serve": lambda url, c, a, o: vllm_client(url, c, a, o, model)}
     runs: dict[str, list[dict]] = {}
-    try:
-        for r in range(args.rounds):
-            names = list(servers)
-            for c in args.concurrency:
-                # prompts no server has seen (each keeps a prefix cache); the same on every server
-                run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 100 * r + c})
-                for name in names[r % len(names):] + names[:r % len(names)]:
+    for r in range(args.rounds):
+        names = list(servers)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            cmd, env, url, log = servers[name]
+            print(f"# round {r + 1}: starting {name}", file=sys.stderr, flush=True)
+            served = Served(name, cmd, log.with_name(f"{log.stem}_r{r}.log"), env=env)
+            try:
+                base = served.wait_http(url, timeout=1800)
+                for c in args.concurrency:
+                    # prompts no server has seen; the same on every server of the round
+                    run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 100 * r + c})
                     for client, fn in clients.items():
                         print(f"# round {r + 1}: {name} c={c} {client}", file=sys.stderr, flush=True)
                         tag = f"{name}_{client.split()[0]}_c{c}_r{r}.json"
-                        runs.setdefault(f"{name}|{client}|{c}", []).append(
-                            fn(servers[name][1], c, run_args, out / tag))
-    finally:
-        for s, _ in servers.values():
-            s.stop()
+                        runs.setdefault(f"{name}|{client}|{c}", []).append(fn(base, c, run_args, out / tag))
+            finally:
+                served.stop()
 
     def med(key: str, field: str) -> float:
         return statistics.median(x[field] for x in runs[key])

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--output", default="results/profile_step.json")
     args = ap.parse_args()
 
-    config = load_config(None, args.overrides)
+    config = load_config(None, ["device.compile_wait=true", *args.overrides])  # compiled steps from the first
     info = check_config(config)
     engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
     g = torch.Generator().manual_seed(0)

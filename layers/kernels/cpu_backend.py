@@ -101,4 +101,4 @@ class CpuBackend(TorchBackend):
         build = f"{cpu_library.selected_isa} build"
         prefill = f"C++ causal ({build})" if cpu_attention.prefill_fits(head_dim) else "SDPA"
         return (f"attention: cpu backend, C++ paged decode ({build}), prefill {prefill}; "
-                f"norm/act: C++ ({build}) in eager steps")
+                f"norm/act/rotary: C++ ({build}) in eager steps")

@@ -8,6 +8,10 @@
 // a row is dequantized as codes * scale. The scale of a key multiplies its score, the scale
 // of a value its softmax weight.
 //
+// The avx512 build scores and weighs 16 lanes at a time, the avx2 build 8 (with its own
+// exp): on a 2-core EPYC the avx2 build's plain loops, as the compiler vectorized them,
+// read the cache at ~14 GB/s in a decode step of 32 sequences.
+//
 // Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_library.py
 // builds this file and registers the op's shape function for torch.compile).
 
@@ -23,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -172,6 +176,52 @@ inline void attend_block_heads(const float* q, const scalar_t* kb, const scalar_
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+using meshserve_cpu::exp8;
+using meshserve_cpu::load8;
+using meshserve_cpu::sum8;
+
+template <typename scalar_t, int64_t DIM>
+constexpr bool kVectorized8 = DIM > 0 && DIM % 8 == 0 && DIM <= 128 && meshserve_cpu::kHasVec8<scalar_t>;
+
+// The AVX2 build's block of at most 16 cached tokens, one query head at a time (its query
+// and its DIM / 8 sums fit the 16 registers): scores, the softmax carried over (top,
+// total; exp 8 lanes at a time), and the values weighted into acc.
+template <typename scalar_t, int64_t DIM>
+inline void attend_block8(const float* q, const scalar_t* kb, const scalar_t* vb, int64_t stride, int64_t rows,
+                          int64_t group, float* top, float* total, float* acc) {
+  constexpr int64_t NV = DIM / 8;
+  alignas(32) float s[16] = {};  // lanes past `rows` are exp'd and never read
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 a[NV];
+    for (int64_t i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(q + g * DIM + 8 * i);
+    float new_top = top[g];
+    for (int64_t t = 0; t < rows; ++t) {
+      const scalar_t* key = kb + t * stride;
+      __m256 d = _mm256_mul_ps(a[0], load8(key));
+      for (int64_t i = 1; i < NV; ++i) d = _mm256_fmadd_ps(a[i], load8(key + 8 * i), d);
+      s[t] = sum8(d) * row_scale(key, DIM);
+      new_top = std::max(new_top, s[t]);
+    }
+    const __m256 shift = _mm256_set1_ps(new_top);
+    for (int64_t t = 0; t < rows; t += 8) _mm256_store_ps(s + t, exp8(_mm256_sub_ps(_mm256_load_ps(s + t), shift)));
+    float sum = 0.f;
+    for (int64_t t = 0; t < rows; ++t) sum += s[t];
+    const float rescale = std::exp(top[g] - new_top);
+    total[g] = total[g] * rescale + sum;
+    top[g] = new_top;
+    float* ag = acc + g * DIM;
+    for (int64_t i = 0; i < NV; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * i), _mm256_set1_ps(rescale));
+    for (int64_t t = 0; t < rows; ++t) {
+      const scalar_t* value = vb + t * stride;
+      const __m256 p = _mm256_set1_ps(s[t] * row_scale(value, DIM));
+      for (int64_t i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(p, load8(value + 8 * i), a[i]);
+    }
+    for (int64_t i = 0; i < NV; ++i) _mm256_storeu_ps(ag + 8 * i, a[i]);
+  }
+}
+#endif
+
 // Asks for the lines of the first `row` elements of `rows` rows `stride` apart.
 template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* src, int64_t rows, int64_t stride, int64_t row) {
@@ -251,6 +301,14 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             if (block_size <= 16) {
               attend_block_heads<cache_t, DIM>(qh, kb + offset, vb + offset, kept, rows, group,
                                                 top.data() + h * group, total.data() + h * group, ah);
+              continue;
+            }
+          }
+#elif defined(__AVX2__) && defined(__FMA__)
+          if constexpr (kVectorized8<cache_t, DIM>) {
+            if (block_size <= 16) {
+              attend_block8<cache_t, DIM>(qh, kb + offset, vb + offset, kept, rows, group, top.data() + h * group,
+                                          total.data() + h * group, ah);
               continue;
             }
           }

@@ -46,19 +46,6 @@ inline float widen(w_t v) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // y[m * ldy + r] = dot(x row m, w row r) for r < R, m < MT
 template <int R, int MT, typename w_t>
 inline void tile(const float* x, const w_t* w, int64_t K, float* y, int64_t ldy) {

@@ -1,7 +1,8 @@
 // Shared by meshserve's CPU row kernels: how many rows a parallel task takes, and (with
 // AVX-512) 16 floats at a time: loads that widen bf16 / fp16 / int8 to float32, stores that narrow
-// back (bf16 rounding to nearest even), exp, and a running softmax's step. Each kernel keeps a scalar loop for the
-// tail and for builds without AVX-512.
+// back (bf16 rounding to nearest even), exp, and a running softmax's step; (with AVX2 + FMA)
+// 8 floats at a time: the widening loads, a horizontal sum and exp. Each kernel keeps a
+// scalar loop for the tail and for builds without them.
 #pragma once
 
 // The op namespace of this build (cpu_library.py passes -DMESHSERVE_NS=meshserve_cpu_<isa>),
@@ -105,6 +106,56 @@ inline __m512 softmax_block(__m512 s, __mmask16 mask, float& top, float& total, 
   total = total * rescale + _mm512_reduce_add_ps(p);
   top = new_top;
   return p;
+}
+
+}  // namespace meshserve_cpu
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace meshserve_cpu {
+
+template <typename scalar_t>
+constexpr bool kHasVec8 = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
+                          std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, int8_t>;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// int8 codes widen to float32 (the KV cache's int8 rows; their scale is applied by the caller)
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp16's method 8 lanes wide, 2^n built in the exponent bits (n within float's normal range
+// after the clamp)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 hi = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  const __m256 rr = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), hi);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 720));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 }  // namespace meshserve_cpu

@@ -18,6 +18,8 @@ def make_engine(path, *overrides):
     (8) steps would run eagerly without a word, however many tests built engines before."""
     if "device.compile=true" in overrides:
         torch._dynamo.reset()
+    if "device.compile=true" in overrides and not any(o.startswith("device.compile_wait=") for o in overrides):
+        overrides = (*overrides, "device.compile_wait=true")  # the tests check the graphs from the first step
     config = load_config(None, [f"model.path={path}", "model.max_model_len=256", *overrides])
     info = check_config(config)
     return build_single_rank_engine(config, info, plan_memory(config, info), threads=None)

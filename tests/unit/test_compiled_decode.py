@@ -37,6 +37,26 @@ def test_compiled_decode_matches_transformers_alone_and_batched(tiny_checkpoints
     assert compiled.eager_steps == 0
 
 
+def test_the_background_compile_serves_eagerly_then_switches_to_the_graphs(tiny_checkpoints):
+    """device.compile_wait=false (the default): the engine is built before the graphs; its
+    steps meanwhile are eager (and right), and once the compile thread is done decode
+    steps run the graphs and give transformers' tokens; the warm-up wrote only its scratch
+    block, never a block a sequence holds."""
+    path = tiny_checkpoints["llama"]
+    ref = hf_model(path)
+    want = [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    engine = make_engine(path, "device.compile=true", "device.compile_wait=false", "cache.block_size=4")
+    runner = engine.executor.runner
+    assert runner.compile_thread is not None and runner.compiled is None  # compiling takes seconds
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in NEW_TOKENS]
+    while_compiling = [c.token_ids for c in generate(engine, PROMPTS, params)]
+    runner.compile_thread.join(timeout=600)
+    assert runner.compiled is not None and runner.compiled.compile_seconds > 0
+    compiled = [c.token_ids for c in generate(engine, PROMPTS, params)]
+    assert while_compiling == want and compiled == want
+    assert runner.compiled.steps >= max(NEW_TOKENS) - 1 and runner.compiled.eager_steps == 0  # one batch
+
+
 @pytest.mark.parametrize("quantization", ["int4", pytest.param("w8a8", marks=needs_vnni)])
 def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, quantization):
     path = tiny_checkpoints["llama-untied"]

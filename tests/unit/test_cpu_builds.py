@@ -131,7 +131,7 @@ def test_the_start_up_line_names_the_build_and_the_kernels(cpu_isa):
     from meshserve.layers.kernels.cpu_backend import CpuBackend
 
     line = kernel_summary(CpuBackend(), torch.float32, "none", 64)
-    assert f"C++ paged decode ({cpu_isa} build)" in line and f"norm/act: C++ ({cpu_isa} build)" in line
+    assert f"C++ paged decode ({cpu_isa} build)" in line and f"norm/act/rotary: C++ ({cpu_isa} build)" in line
     assert ("prefill C++ causal" in line) == (cpu_isa == "avx512")
     if cpu_isa == "avx2":
         assert line.startswith("matmul: C++ AVX2 on float32 weights as stored")
