@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import time
 import traceback
 
 import torch
@@ -73,6 +74,9 @@ def prefill(port, out):
         a.after_step()
         store.set("sent-3", "1")
         store.wait(["done"])
+        deadline = time.monotonic() + 30  # the sends' thread counts a send once its work completes
+        while a.stats.transfers_sent < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         out.put(("prefill-stats", a.stats.bytes_sent, a.stats.transfers_sent))
     except Exception:
         out.put(("error", traceback.format_exc(), None))
