@@ -28,6 +28,7 @@ from support.server import alive
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello."]
 FAILURE_TIMEOUT = 4.0
+STREAM_TOKENS = 480  # with the 20-token prompts, near the tiny models' 512 positions: the streams outlast the kill
 
 
 @pytest.mark.slow
@@ -84,7 +85,7 @@ def _stream(address: str, prompt: list[int], started: threading.Event, outcome: 
     with Client(address, timeout=120) as client:
         try:
             n = 0
-            for delta in client.generate(prompt, stream=True, max_tokens=400, ignore_eos=True, temperature=0):
+            for delta in client.generate(prompt, stream=True, max_tokens=STREAM_TOKENS, ignore_eos=True, temperature=0):
                 n += len(delta.token_ids)
                 started.set()
             outcome["tokens"] = n
@@ -100,6 +101,9 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
     try:
         pids = replica_rank_pids(server)
         assert set(pids) == {(0, 0), (0, 1), (1, 0), (1, 1)}, pids
+        with Client(address, timeout=120) as client:  # each replica's first step, before the streams
+            for i in range(2):
+                client.generate([5 + i] * 8, max_tokens=2, temperature=0)
         outcomes = [{} for _ in range(6)]
         started = [threading.Event() for _ in outcomes]
         threads = [threading.Thread(target=_stream, args=(address, list(range(100 + i, 120 + i)), s, o), daemon=True)
@@ -122,7 +126,7 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
             t.join(FAILURE_TIMEOUT + 120)
         errors = [o["error"] for o in outcomes if "error" in o]
         done = [o["tokens"] for o in outcomes if "tokens" in o]
-        assert len(errors) == on[1] and done == [400] * on[0], outcomes
+        assert len(errors) == on[1] and done == [STREAM_TOKENS] * on[0], outcomes
         for code, message, at in errors:
             assert code == "unavailable" and "] replica 1: " in message, message
             assert at - killed_at < FAILURE_TIMEOUT + 10, f"the error took {at - killed_at:.1f} s"
