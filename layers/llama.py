@@ -126,6 +126,9 @@ class LlamaModel(nn.Module):
         self.layer_hook = None
         """Called with each layer's index (of this stage) once it has run and written its KV
         (disaggregated prefill sends the layer's blocks then: engine/kv_agent.py)."""
+        self.fused_decode = None
+        """The layers in one C++ call for eager decode steps, where every op of theirs is one
+        of the cpu backend's kernels (layers/kernels/cpu_decode_layers.py); set by the loader."""
 
     def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: StepMetadata):
         """First stage: from input_ids. Later stages: from the previous stage's (hidden,
@@ -133,10 +136,14 @@ class LlamaModel(nn.Module):
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions, self.dtype)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-            if self.layer_hook is not None:
-                self.layer_hook(i)
+        fused = self.fused_decode
+        if fused is not None and self.layer_hook is None and fused.runs(kv_caches, meta):
+            hidden, residual = fused(rope, hidden, residual, kv_caches, meta)
+        else:
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+                if self.layer_hook is not None:
+                    self.layer_hook(i)
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
             residual = None

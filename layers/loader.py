@@ -12,6 +12,7 @@ from meshserve.configs.memory import head_quantization
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.backend import ContextParallelBackend, TorchBackend
 from meshserve.layers.embedding import ParallelLMHead
+from meshserve.layers.kernels.cpu_decode_layers import fused_decode_layers
 from meshserve.layers.llama import LlamaForCausalLM
 from meshserve.layers.mixtral import MixtralForCausalLM
 from meshserve.layers.qwen2_moe import Qwen2MoeForCausalLM
@@ -91,4 +92,6 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
         for param in model.parameters():
             param.data = param.data.to(dtype)
         model.model.dtype = dtype
+    if torch.device(device).type == "cpu":
+        model.model.fused_decode = fused_decode_layers(model)
     return model.eval()

@@ -6,7 +6,8 @@ RMSNorm, silu-and-mul and rotary (for the cpu backend's eager steps) and greedy 
 pass each (cpu_norm_act.cpp), and random sampling with temperature, top-k and top-p
 (cpu_sample.cpp, with the grammar masks of structured outputs), and the products of float32
 and bfloat16 weights as stored on AVX2 CPUs (cpu_dense_linear.cpp, used by
-meshserve.layers.matmul).
+meshserve.layers.matmul), and a run of Llama decoder layers over a decode step in one call
+of those kernels (cpu_decode_layers.cpp, used by cpu_decode_layers.py).
 
 **One build per instruction set** (meshserve.configs.cpu_features.ISAS): `avx512`, `avx2`,
 `scalar`. Each registers its ops under its own namespace (`torch.ops.meshserve_cpu_avx2`,
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE_NAMES = ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp",
-                "cpu_sample.cpp", "cpu_dense_linear.cpp")
+                "cpu_sample.cpp", "cpu_dense_linear.cpp", "cpu_decode_layers.cpp")
 HEADER_NAMES = ("cpu_vec.h",)
 SOURCES = [KERNEL_DIR / name for name in SOURCE_NAMES]
 

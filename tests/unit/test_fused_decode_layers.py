@@ -1,0 +1,115 @@
+"""The decoder layers in one C++ call for eager decode steps (layers/kernels/cpu_decode_layers):
+taken in the avx2 build where every op is one of meshserve's kernels, it gives the tokens of
+the Python loop over the layers and of transformers, alone and batched, in float32 and
+bfloat16; a later pipeline stage's input (a residual given) gives the loop's hidden states and
+cache rows; models or caches it does not cover keep the Python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve.comm.messages import SamplingParams
+from meshserve.configs.cpu_features import cpu_features
+from meshserve.engine.offline import generate
+from meshserve.layers.kernels import cpu_library
+from support.engines import make_engine
+from support.reference import hf_greedy, hf_model
+
+PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7]]
+NEW_TOKENS = [12, 20, 30]
+AVX2 = ("model.dtype=float32", "device.cpu_isa=avx2", "cache.block_size=4", "cache.prefix_caching=false")
+
+pytestmark = pytest.mark.skipif(not cpu_features().runs("avx2"), reason="the fused call is the avx2 build's")
+
+
+@pytest.fixture(autouse=True)
+def _restore_the_build():
+    before = cpu_library.selected_isa
+    yield
+    cpu_library.select(before or "auto")
+
+
+class Counting:
+    """The fused op, counting its calls."""
+
+    def __init__(self, op):
+        self.op, self.calls = op, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.op(*args)
+
+
+def _tokens(engine, prompts=PROMPTS, new_tokens=NEW_TOKENS):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in new_tokens]
+    return [c.token_ids for c in generate(engine, prompts, params)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoints, dtype):
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, *AVX2, f"model.dtype={dtype}")
+    model = engine.executor.runner.model.model
+    assert model.fused_decode is not None
+    counting = model.fused_decode.op = Counting(model.fused_decode.op)
+    alone = [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
+    batched = _tokens(engine)
+    assert counting.calls >= sum(NEW_TOKENS) - len(PROMPTS)  # every decode step took it
+    model.fused_decode = None
+    assert batched == alone == _tokens(engine)
+    if dtype == "float32":
+        ref = hf_model(path)
+        assert batched == [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+
+
+def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tiny_checkpoints):
+    """A residual given (a pipeline stage after the first) and some slots of a fresh cache:
+    the fused call and the loop write the same K/V rows and return the same (hidden,
+    residual)."""
+    engine = make_engine(tiny_checkpoints["llama"], *AVX2)
+    runner = engine.executor.runner
+    model, backend = runner.model.model, runner.model.backend
+    info = runner.info
+    g = torch.Generator().manual_seed(0)
+    n, block = 3, 4
+    lens = [5, 9, 2]
+    tables = [[0, 1], [2, 3, 4], [5]]
+    meta = backend.build_metadata([1] * n, lens, tables, block)
+    assert meta.decode_only
+    hidden = torch.randn(n, info.hidden_size, generator=g)
+    residual = torch.randn(n, info.hidden_size, generator=g)
+    positions = torch.tensor([length - 1 for length in lens])
+    rope = model.rotary.lookup(positions, torch.float32)
+    shape = (8, block, info.num_key_value_heads, info.head_dim)
+    caches = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in model.layers]
+    copies = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.no_grad():
+        fused = model.fused_decode(rope, hidden, residual, caches, meta)
+        h, r = hidden, residual
+        for layer, kv in zip(model.layers, copies):
+            h, r = layer(rope, h, r, kv, meta)
+    torch.testing.assert_close(fused[0], h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[1], r, rtol=1e-5, atol=1e-5)
+    for (k, v), (k_ref, v_ref) in zip(caches, copies):
+        torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v, v_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_what_it_does_not_cover_keeps_the_loop(tiny_checkpoints):
+    """Per-head norms (Qwen3), quantized weights and the scalar build leave the model
+    without it; an int8 cache runs the loop in each step and still gives the loop's
+    tokens."""
+    qwen3 = make_engine(tiny_checkpoints["qwen3"], *AVX2)
+    assert qwen3.executor.runner.model.model.fused_decode is None
+    int4 = make_engine(tiny_checkpoints["llama"], *AVX2, "model.quantization=int4")
+    assert int4.executor.runner.model.model.fused_decode is None
+    scalar = make_engine(tiny_checkpoints["llama"], *AVX2, "device.cpu_isa=scalar")
+    assert scalar.executor.runner.model.model.fused_decode is None
+    int8 = make_engine(tiny_checkpoints["llama"], *AVX2, "cache.dtype=int8")
+    model = int8.executor.runner.model.model
+    counting = model.fused_decode.op = Counting(model.fused_decode.op)
+    with_it = _tokens(int8)
+    assert counting.calls == 0
+    model.fused_decode = None
+    assert with_it == _tokens(int8)
