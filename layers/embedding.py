@@ -11,7 +11,7 @@ from torch import nn
 
 from meshserve.comm.collectives import gather_from_tp, reduce_from_tp
 from meshserve.comm.groups import AxisGroup
-from meshserve.layers.matmul import prepared_matmul
+from meshserve.layers.matmul import DenseCpuMatmul, prepared_matmul
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -40,14 +40,20 @@ class VocabParallelEmbedding(nn.Module):
             if rows:
                 param[:rows].copy_(loaded.narrow(0, self.vocab_start, rows).load())
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids`; where a tied head's copy replaced the weight (the weight's
+        `table`, layers/matmul.py DenseCpuMatmul), from there."""
+        table = getattr(self.weight, "table", None)
+        return F.embedding(ids, self.weight) if table is None else table.rows(ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # (num_tokens,) -> (num_tokens, hidden_size)
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = (input_ids - self.vocab_start) * mine
-        out = F.embedding(local_ids, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return reduce_from_tp(out, self.tp)
+        out = self.lookup(local_ids)
+        return reduce_from_tp(out * mine.unsqueeze(-1).to(out.dtype), self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -67,9 +73,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
         """After loading: multiply by a quantized copy (`quantization` int8 | int4; int8 takes
         int8 inputs too unless they are float32, meshserve.layers.quant), or else by a packed
-        copy where that is faster (the weight stays: it may be the embedding's too)."""
+        copy where that is faster. The weight stays (it may be the embedding's too), except
+        where the copy is meshserve's AVX2 panels: they replace it, and become the weight's
+        `table`, where a tied embedding looks its rows up."""
         if self.packed is None:
             self.packed = prepared_matmul(self.weight, quantization, act_dtype, int8_activations=True)
+            if isinstance(self.packed, DenseCpuMatmul):
+                self.weight.table = self.packed
+                self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # (num_samples, hidden_size) -> (num_samples, vocab_size) on tp rank 0

@@ -3,8 +3,8 @@ weight-only quantized copy (meshserve.layers.quant, model.quantization), or by a
 packed once into oneDNN's blocked layout (on CPU, where the kernels otherwise
 re-layout the weight on every call), or, for bfloat16 on a CPU that cannot multiply it,
 by float32 products of many rows (WidenedCpuMatmul), or, on a CPU with AVX2 and no AVX-512,
-by meshserve's own product of the weight as stored (DenseCpuMatmul). Measured here with SmolLM2's shapes on 2 cores: bf16
-2x faster at decode sizes; float32 2.5-4x at 32 rows (1047 -> 275 us for the 576 x 3072
+by meshserve's own product of the weight permuted into panels (DenseCpuMatmul). oneDNN's
+packing, measured here with SmolLM2's shapes on 2 cores: bf16 2x faster at decode sizes; float32 2.5-4x at 32 rows (1047 -> 275 us for the 576 x 3072
 gate/up; 22 -> 5 ms for the 49152-row head) and 3.5x for the head at one row, a few us
 slower for the smallest matrices at one row."""
 
@@ -66,20 +66,25 @@ class WidenedCpuMatmul:
 
 
 class DenseCpuMatmul:
-    """meshserve's C++ product of a float32 or bfloat16 weight as stored, for the avx2 build
-    (layers/kernels/cpu_dense_linear.cpp): tiles of weight rows x input rows in AVX2
-    registers, a bf16 weight widened there. On a 2-core EPYC (AVX2, no AVX-512) it streams
-    SmolLM2's weights at one row 1.4-2x faster than oneDNN's packed float32 product and is
-    level with it or ahead up to 512 rows; it keeps one copy of the weight (a packed copy
-    is a second one for a tied head, whose embedding keeps its own)."""
+    """meshserve's C++ product for the avx2 build (layers/kernels/cpu_dense_linear.cpp): the
+    float32 or bfloat16 weight permuted once into panels of 16 rows stored k-major (same
+    shape and bytes: it replaces the weight), multiplied as outer products of 16 weight
+    columns and up to 6 input rows in AVX2 registers, a bf16 weight widened there. On a
+    2-core EPYC (AVX2, no AVX-512) it streams SmolLM2's weights at one row ~2x faster than
+    oneDNN's packed float32 product and is ahead of it up to 512 rows. `rows(ids)` looks up
+    rows of the weight (a tied embedding's table, which this copy replaces)."""
 
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]
-        self.weight = weight.detach().contiguous()
+        self.weight = cpu_library.ops.pack_panels(weight.detach().contiguous())
         self.op = cpu_library.ops.dense_linear
+        self.gather = cpu_library.ops.panel_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.gather(self.weight, ids)
 
 
 def dense_kernel_helps(weight: torch.Tensor) -> bool:

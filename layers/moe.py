@@ -18,7 +18,7 @@ tokens, and routes all of them). The exchange (parallel.expert_exchange):
   already) and one all-reduce over `ep` sums the results: one collective, of all tokens.
 
 Compute. A member sorts its (token, expert) pairs by expert and multiplies each expert's
-tokens in one matmul (W1 and W3 fused, as gate_up_proj) by the weight as stored, packed or
+tokens in one matmul (W1 and W3 fused, as gate_up_proj) by the weight as stored, prepared or
 quantized (model.quantization int8 / int4, meshserve.layers.quant); with the Triton backend,
 one fused kernel (layers/kernels/fused_moe.py) does the grouped matmuls of every expert.
 """

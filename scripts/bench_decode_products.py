@@ -5,8 +5,8 @@ layer's QKV, o, gate/up and down weights of SmolLM2's 30 layers and the tied 49,
 Each kernel's pass over all the weights is timed against a sum over the same weights (the
 rate at which this machine reads them, `torch.sum` one matrix at a time) and a read-bandwidth
 probe (the one decode MBU is taken against, engine.perf), all interleaved in one process,
-medians of --rounds. Kernels: meshserve's avx2 product (layers/kernels/cpu_dense_linear.cpp)
-on float32 and bf16 weights, and oneDNN's float32 `F.linear`.
+medians of --rounds. Kernels: meshserve's avx2 product (layers/kernels/cpu_dense_linear.cpp,
+the weights in its panels) on float32 and bf16 weights, and oneDNN's float32 `F.linear`.
 
     python scripts/bench_decode_products.py [--rows 1 32] [--rounds 15] [--output FILE.json]
 """
@@ -44,8 +44,9 @@ def passes(rows: int, isa_ops) -> dict:
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         tag = str(dtype).removeprefix("torch.")
         if isa_ops is not None:
-            out[f"meshserve_{tag}"] = ((lambda ws=weights, xs=inputs: [isa_ops.dense_linear(xs[w.shape[1]], w)
-                                                                        for w in ws]), nbytes)
+            panels = [isa_ops.pack_panels(w) for w in weights]
+            out[f"meshserve_{tag}"] = ((lambda ps=panels, xs=inputs: [isa_ops.dense_linear(xs[p.shape[1]], p)
+                                                                       for p in ps]), nbytes)
         if dtype == torch.float32:
             out["onednn_float32"] = ((lambda ws=weights, xs=inputs: [F.linear(xs[w.shape[1]], w) for w in ws]), nbytes)
         out[f"sum_{tag}"] = ((lambda ws=weights: [w.sum() for w in ws]), nbytes)

@@ -1,29 +1,33 @@
-// dense_linear(x, weight): y = x W^T for a float32 or bfloat16 weight [N, K] as stored (row
-// major, no packing) and x [..., K] in float32 or bfloat16; y in x's dtype, summed in float32.
+// dense_linear(x, weight): y = x W^T for a float32 or bfloat16 weight W [N, K] in panel order
+// (pack_panels) and x [..., K] in float32 or bfloat16; y in x's dtype, summed in float32.
+// panel_rows(weight, ids): rows of a panel-ordered W, as an embedding looks them up.
 //
 // For CPUs with AVX2 + FMA and no AVX-512, where oneDNN's float32 products ran SmolLM2's
-// decode at ~16 GB/s of the ~25-35 GB/s a sum reads (2-core EPYC). Each output is a dot
-// product of a weight row and an x row along K, 8 floats at a time; a tile of R weight rows x
-// MT x rows keeps R * MT sums in registers, so each weight vector is loaded once per MT x
-// rows and each x vector once per R weight rows:
+// decode at ~16 GB/s of the ~25-35 GB/s a sum reads (2-core EPYC).
 //
-// - one x row (batch-1 decode): 8 weight rows a tile, a pure stream over the weight;
-// - 2-3 rows: 4 x 2; 4 and more: 3 x 4 (12 sums + 3 weight vectors + 1 x vector = the 16
-//   registers), with the x rows taken in chunks that stay in L2 (~192 KB) while every weight
-//   tile of this thread's share passes.
+// Panel order: W's first N / 16 * 16 rows as panels of 16 rows, each panel stored k-major
+// (row n, column k of panel p at p * 16 K + k * 16 + n - 16 p), then the last N % 16 rows as
+// they were; same shape, same elements, no padding. A panel is one sequential stream, read
+// once per tile of x rows. The tile's outputs are the outer product of 16 weight columns
+// (two vectors) and MR <= 6 x values broadcast, accumulated over all of K in 2 * MR
+// registers (12 + 2 weight vectors + 1 broadcast of the 16): no horizontal sums at the end,
+// and 8 loads per 12 FMAs. The x rows go in chunks that stay in L2 (~256 KB) while every panel
+// of this thread's share passes. One x row (batch-1 decode) is a pure stream over the weight,
+// two k steps at a time (4 sums, to hide the FMA latency).
 //
-// Measured against oneDNN's packed product (2 threads, float32, SmolLM2's shapes, weights
-// from memory): one row 1.4-2x faster (576 x 3072: 371 -> 261 us; the 49152-row head 5.4 ->
-// 4.1 ms), 8 rows 1.3-1.9x, 32 rows 1.0-1.3x, 512 rows 1.05-1.08x. A bfloat16 weight is
-// widened in registers (half the bytes read; no bf16 dot products needed).
+// Against the row-major dot-product tiles this replaced (SmolLM2's 30 layers + head from
+// memory, float32, 2 threads, 2-core EPYC: scripts/bench_decode_products.py): 1 row ~10%
+// faster (~27 -> ~30 GB/s), 8 rows ~30%, 32 rows ~15-20% (~100 -> ~120 GFLOP/s), 512 ~17%.
+// A bfloat16 weight is widened in registers (half the bytes read; no bf16 dot products needed).
 //
-// Threads split the weight's row tiles (at::parallel_for), at least ~16K weights a task.
+// Threads split the panels (at::parallel_for; the last N % 16 rows are one more task).
 // Builds without AVX2 (scalar) run plain loops: correct, for tests; meshserve only chooses
 // this op in the avx2 build (layers/matmul.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -31,13 +35,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 using namespace meshserve_cpu;
 
-constexpr int64_t kChunkBytes = 192 * 1024;
+constexpr int64_t kPanel = 16;
+constexpr int kMaxTileRows = 6;
+constexpr int64_t kChunkBytes = 256 * 1024;
 
 template <typename w_t>
 inline float widen(w_t v) {
@@ -46,111 +53,138 @@ inline float widen(w_t v) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// y[m * ldy + r] = dot(x row m, w row r) for r < R, m < MT
-template <int R, int MT, typename w_t>
-inline void tile(const float* x, const w_t* w, int64_t K, float* y, int64_t ldy) {
-  // NOTE: every loop over r and m is unrolled by pragma: left to itself GCC kept acc on the
-  // stack and stored all R x MT sums every k step (a batch-1 product read its weight at ~21
-  // GB/s where a sum reads ~28).
-  __m256 acc[R][MT];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-  const int64_t k8 = K / 8 * 8;
-  for (int64_t k = 0; k < k8; k += 8) {
-    if constexpr (MT == 1) {  // each weight vector used at once: R sums + 2 registers
-      const __m256 xv = _mm256_loadu_ps(x + k);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(load8(w + r * K + k), xv, acc[r][0]);
-    } else {
-      __m256 wv[R];
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
-#pragma GCC unroll 16
-      for (int m = 0; m < MT; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+// y[m * ldy + j] = sum_k x[m * K + k] * panel[k * 16 + j] for m < MR, j < 16
+template <int MR, typename w_t>
+inline void panel_tile(const float* x, const w_t* panel, int64_t K, float* y, int64_t ldy) {
+  // NOTE: every loop over m is unrolled by pragma and the sums are stored before any runtime
+  // loop: otherwise GCC keeps them on the stack and stores each one every k step (a tile
+  // then runs at half speed).
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  if constexpr (MR == 1) {  // a stream: two k steps at a time in separate sums
+    __m256 odd0 = _mm256_setzero_ps(), odd1 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
+      acc[0][0] = _mm256_fmadd_ps(load8(panel + k * kPanel), x0, acc[0][0]);
+      acc[0][1] = _mm256_fmadd_ps(load8(panel + k * kPanel + 8), x0, acc[0][1]);
+      odd0 = _mm256_fmadd_ps(load8(panel + k * kPanel + 16), x1, odd0);
+      odd1 = _mm256_fmadd_ps(load8(panel + k * kPanel + 24), x1, odd1);
+    }
+    if (k < K) {
+      const __m256 x0 = _mm256_broadcast_ss(x + k);
+      acc[0][0] = _mm256_fmadd_ps(load8(panel + k * kPanel), x0, acc[0][0]);
+      acc[0][1] = _mm256_fmadd_ps(load8(panel + k * kPanel + 8), x0, acc[0][1]);
+    }
+    acc[0][0] = _mm256_add_ps(acc[0][0], odd0);
+    acc[0][1] = _mm256_add_ps(acc[0][1], odd1);
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+        acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
       }
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m) {
-      float s = sum8(acc[r][m]);
-      for (int64_t k = k8; k < K; ++k) s += widen(w[r * K + k]) * x[m * K + k];
-      y[m * ldy + r] = s;
-    }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+    _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
   }
+}
+
+inline float row_dot(const float* x, const float* w, int64_t K) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+  float s = sum8(a);
+  for (; k < K; ++k) s += w[k] * x[k];
+  return s;
+}
+
+inline float row_dot(const float* x, const c10::BFloat16* w, int64_t K) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a);
+  float s = sum8(a);
+  for (; k < K; ++k) s += widen(w[k]) * x[k];
+  return s;
 }
 
 #else
 
-template <int R, int MT, typename w_t>
-inline void tile(const float* x, const w_t* w, int64_t K, float* y, int64_t ldy) {
-  for (int r = 0; r < R; ++r) {
-    for (int m = 0; m < MT; ++m) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += widen(w[r * K + k]) * x[m * K + k];
-      y[m * ldy + r] = s;
-    }
+template <int MR, typename w_t>
+inline void panel_tile(const float* x, const w_t* panel, int64_t K, float* y, int64_t ldy) {
+  for (int m = 0; m < MR; ++m) {
+    float sums[kPanel] = {};
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < kPanel; ++j) sums[j] += widen(panel[k * kPanel + j]) * x[m * K + k];
+    std::memcpy(y + m * ldy, sums, sizeof(sums));
   }
+}
+
+template <typename w_t>
+inline float row_dot(const float* x, const w_t* w, int64_t K) {
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += widen(w[k]) * x[k];
+  return s;
 }
 
 #endif
 
-// All M x rows against this task's weight rows [n0, n1), in tiles of R x MT.
-template <int R, int MT, typename w_t>
-void rows_range(const float* x, const w_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t chunk = std::max<int64_t>(MT, kChunkBytes / (4 * K) / MT * MT);
-  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t m1 = std::min(M, m0 + chunk);
-    for (int64_t n = n0; n < n1;) {
-      const bool full = n + R <= n1;
-      int64_t m = m0;
-      if (full) {
-        for (; m + MT <= m1; m += MT) tile<R, MT>(x + m * K, w + n * K, K, y + m * N + n, N);
-        for (; m < m1; ++m) tile<R, 1>(x + m * K, w + n * K, K, y + m * N + n, N);
-        n += R;
-      } else {
-        for (; m + MT <= m1; m += MT) tile<1, MT>(x + m * K, w + n * K, K, y + m * N + n, N);
-        for (; m < m1; ++m) tile<1, 1>(x + m * K, w + n * K, K, y + m * N + n, N);
-        n += 1;
-      }
-    }
+// x rows [m0, m1) against panel q (its 16 outputs at column n = 16 q), in tiles of <= 6 rows
+template <typename w_t>
+void rows_by_panel(const float* x, const w_t* panel, float* y, int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n) {
+  int64_t m = m0;
+  for (; m + kMaxTileRows <= m1; m += kMaxTileRows) panel_tile<kMaxTileRows>(x + m * K, panel, K, y + m * N + n, N);
+  const float* xm = x + m * K;
+  float* ym = y + m * N + n;
+  switch (m1 - m) {
+    case 5: panel_tile<5>(xm, panel, K, ym, N); break;
+    case 4: panel_tile<4>(xm, panel, K, ym, N); break;
+    case 3: panel_tile<3>(xm, panel, K, ym, N); break;
+    case 2: panel_tile<2>(xm, panel, K, ym, N); break;
+    case 1: panel_tile<1>(xm, panel, K, ym, N); break;
+    default: break;
   }
-}
-
-template <int R, int MT, typename w_t>
-void split_rows(const float* x, const w_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t tiles = (N + R - 1) / R;
-  const int64_t grain = std::max<int64_t>(1, 16384 / (R * K));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    rows_range<R, MT>(x, w, y, M, N, K, t0 * R, std::min(N, t1 * R));
-  });
 }
 
 template <typename w_t>
 void dense(const float* x, const w_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  if (M == 1) {
-    split_rows<8, 1>(x, w, y, M, N, K);
-  } else if (M < 4) {
-    split_rows<4, 2>(x, w, y, M, N, K);
-  } else {
-    split_rows<3, 4>(x, w, y, M, N, K);
-  }
+  const int64_t panels = N / kPanel, tail = N % kPanel, tasks = panels + (tail > 0);
+  const int64_t chunk = std::max<int64_t>(kMaxTileRows, kChunkBytes / (4 * K) / kMaxTileRows * kMaxTileRows);
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kPanel * K));
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t m1 = std::min(M, m0 + chunk);
+      for (int64_t q = t0; q < t1; ++q) {
+        if (q < panels) {
+          rows_by_panel(x, w + q * kPanel * K, y, m0, m1, N, K, q * kPanel);
+          continue;
+        }
+        for (int64_t n = panels * kPanel; n < N; ++n)
+          for (int64_t m = m0; m < m1; ++m) y[m * N + n] = row_dot(x + m * K, w + n * K, K);
+      }
+    }
+  });
+}
+
+void check_weight(const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), op, ": the weight must be a contiguous [N, K] matrix");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16, op,
+              ": the weight must be float32 or bfloat16");
 }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "dense_linear: weight must be a contiguous [N, K] matrix");
+  check_weight(weight, "dense_linear");
   TORCH_CHECK(x.size(-1) == weight.size(1), "dense_linear: x has ", x.size(-1), " columns, the weight ",
               weight.size(1));
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "dense_linear: x must be float32 or bfloat16");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
-              "dense_linear: the weight must be float32 or bfloat16");
   const int64_t K = weight.size(1), N = weight.size(0);
   int64_t M = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
@@ -170,8 +204,74 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight) {
   return y.to(x.scalar_type());
 }
 
+// Element (n, k) of W [N, K] in panel order: its offset.
+inline int64_t panel_offset(int64_t n, int64_t k, int64_t N, int64_t K) {
+  const int64_t full = N / kPanel * kPanel;
+  if (n >= full) return n * K + k;
+  return (n / kPanel) * kPanel * K + k * kPanel + n % kPanel;
+}
+
+template <typename w_t>
+void permute_rows(const w_t* src, w_t* dst, int64_t N, int64_t K) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[panel_offset(n, k, N, K)] = src[n * K + k];
+  });
+}
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+  check_weight(weight, "pack_panels");
+  at::Tensor out = at::empty_like(weight);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (weight.scalar_type() == at::kFloat) {
+    permute_rows(weight.data_ptr<float>(), out.data_ptr<float>(), N, K);
+  } else {
+    permute_rows(weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), N, K);
+  }
+  return out;
+}
+
+template <typename w_t>
+void gather_rows(const w_t* w, const int64_t* ids, w_t* out, int64_t count, int64_t N, int64_t K) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = ids[i];
+    TORCH_CHECK(n >= 0 && n < N, "panel_rows: id ", n, " is outside the ", N, " rows");
+    if (n >= N / kPanel * kPanel) {
+      std::memcpy(out + i * K, w + n * K, K * sizeof(w_t));
+    } else {
+      const w_t* column = w + panel_offset(n, 0, N, K);
+      for (int64_t k = 0; k < K; ++k) out[i * K + k] = column[k * kPanel];
+    }
+  }
+}
+
+at::Tensor panel_rows(const at::Tensor& weight, const at::Tensor& ids) {
+  check_weight(weight, "panel_rows");
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "panel_rows: ids must be int64 or int32");
+  const at::Tensor flat = ids.to(at::kLong).contiguous();
+  const int64_t N = weight.size(0), K = weight.size(1), count = flat.numel();
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  at::Tensor out = at::empty(shape, weight.options());
+  if (weight.scalar_type() == at::kFloat) {
+    gather_rows(weight.data_ptr<float>(), flat.data_ptr<int64_t>(), out.data_ptr<float>(), count, N, K);
+  } else {
+    gather_rows(weight.data_ptr<c10::BFloat16>(), flat.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), count, N,
+                K);
+  }
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) { m.def("dense_linear(Tensor x, Tensor weight) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
+  m.def("dense_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_rows(Tensor weight, Tensor ids) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("dense_linear", &dense_linear); }
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
+  m.impl("dense_linear", &dense_linear);
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_rows", &panel_rows);
+}

@@ -5,7 +5,7 @@ by cpu_attention.py, the w8a8 linears' row quantization and the int8 KV cache's
 RMSNorm, silu-and-mul and rotary (for the cpu backend's eager steps) and greedy sampling's argmax in one
 pass each (cpu_norm_act.cpp), and random sampling with temperature, top-k and top-p
 (cpu_sample.cpp, with the grammar masks of structured outputs), and the products of float32
-and bfloat16 weights as stored on AVX2 CPUs (cpu_dense_linear.cpp, used by
+and bfloat16 weights in panels on AVX2 CPUs (cpu_dense_linear.cpp, used by
 meshserve.layers.matmul), and a run of Llama decoder layers over a decode step in one call
 of those kernels (cpu_decode_layers.cpp, used by cpu_decode_layers.py).
 
@@ -240,10 +240,19 @@ def _dense_linear_shape(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _pack_panels_shape(weight):
+    return torch.empty_like(weight)
+
+
+def _panel_rows_shape(weight, ids):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
 SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
           "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
           "rms_norm": _rms_norm_shape, "silu_and_mul": _silu_and_mul_shape, "argmax_rows": _argmax_rows_shape,
           "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape, "dense_linear": _dense_linear_shape,
+          "pack_panels": _pack_panels_shape, "panel_rows": _panel_rows_shape,
           "rotary": _rotary_shape}
 """Each op's shape function, for torch.compile."""

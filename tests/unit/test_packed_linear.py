@@ -41,14 +41,22 @@ def test_packed_linears_match_dense(rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tied_head_packs_but_keeps_the_embedding(dtype):
+def test_tied_head_packs_and_the_embedding_still_looks_up(dtype):
+    """A tied head's packed copy: oneDNN's leaves the embedding its table; meshserve's AVX2
+    panels replace it, and the embedding looks its rows up there."""
+    from meshserve.layers.matmul import DenseCpuMatmul
+
     tp = AxisGroup.single("tp")
     table = torch.randn(50, 32).to(dtype)
     emb = VocabParallelEmbedding(50, 32, tp, dtype)
     emb.weight.weight_loader(emb.weight, MemoryTensor(table))
     head = ParallelLMHead(50, 32, tp, dtype, tied_to=emb)
     head.pack_weight()
-    assert head.packed is not None and emb.weight.shape == (50, 32)
+    assert head.packed is not None
+    if isinstance(head.packed, DenseCpuMatmul):
+        assert emb.weight.numel() == 0 and emb.weight.table is head.packed
+    else:
+        assert emb.weight.shape == (50, 32)
     h = torch.randn(3, 32).to(dtype)
     torch.testing.assert_close(head(h), F.linear(h, table), **TOLERANCE[dtype])
     assert torch.equal(emb(torch.tensor([1, 49])), table[[1, 49]])
@@ -83,28 +91,39 @@ def test_bf16_on_a_cpu_without_bf16_products_widens_many_rows_to_float32(monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_dense_kernel_matches_torch_in_every_build(cpu_isa, dtype):
-    """meshserve's product of a weight as stored (cpu_dense_linear.cpp), in each build this
-    CPU runs, against torch's: every tile shape (1, 2-3, 4+ rows), rows left over from a tile,
-    a K that is not a multiple of 8, leading dimensions, and no rows at all."""
+    """meshserve's product of a weight in panels (cpu_dense_linear.cpp), in each build this
+    CPU runs, against torch's: one row and every tile height (2-6 rows, more than a tile,
+    more than a chunk of rows), weights with and without rows past the last panel of 16, a K
+    that is odd or not a multiple of 8, leading dimensions, and no rows at all; the panels'
+    rows looked up are the weight's."""
     from meshserve.layers.kernels import cpu_library
 
     g = torch.Generator().manual_seed(1)
-    for rows, n, k in [(1, 96, 64), (1, 13, 20), (2, 29, 64), (3, 96, 37), (4, 96, 64), (7, 31, 576), (300, 50, 64),
-                       (0, 8, 16)]:
+    for rows, n, k in [(1, 96, 64), (1, 13, 20), (1, 29, 37), (2, 29, 64), (3, 96, 37), (4, 96, 64), (5, 40, 9),
+                       (6, 16, 64), (7, 31, 576), (13, 50, 1536), (300, 50, 64), (0, 8, 16)]:
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(rows, k, generator=g).to(dtype)
-        got = cpu_library.ops.dense_linear(x, w)
+        panels = cpu_library.ops.pack_panels(w)
+        assert panels.shape == w.shape and panels.dtype == dtype
+        got = cpu_library.ops.dense_linear(x, panels)
         want = F.linear(x.float(), w.float())
         assert got.dtype == dtype and got.shape == (rows, n)
         torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+        ids = torch.randint(0, n, (2, 5), generator=g)
+        assert torch.equal(cpu_library.ops.panel_rows(panels, ids), w[ids])
+        assert torch.equal(cpu_library.ops.panel_rows(panels, ids.int()), w[ids])
     x3 = torch.randn(2, 3, 64, generator=g).to(dtype)
-    torch.testing.assert_close(cpu_library.ops.dense_linear(x3, w := torch.randn(40, 64, generator=g).to(dtype)).float(),
+    w = torch.randn(40, 64, generator=g).to(dtype)
+    torch.testing.assert_close(cpu_library.ops.dense_linear(x3, cpu_library.ops.pack_panels(w)).float(),
                                F.linear(x3.float(), w.float()), **TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="outside the 40 rows"):
+        cpu_library.ops.panel_rows(cpu_library.ops.pack_panels(w), torch.tensor([40]))
 
 
-def test_the_avx2_build_multiplies_weights_as_stored(cpu_isa):
+def test_the_avx2_build_multiplies_weights_in_panels(cpu_isa):
     """The layers take the dense kernel in the avx2 build only (an AVX-512 CPU keeps oneDNN),
-    keep one copy of the weight, and match torch's product."""
+    keep one copy of the weight (the panels replace it; a tied embedding looks its rows up
+    in the head's), and match torch's product and lookup."""
     from meshserve.layers import matmul
 
     tp = AxisGroup.single("tp")
@@ -123,6 +142,8 @@ def test_the_avx2_build_multiplies_weights_as_stored(cpu_isa):
     head = ParallelLMHead(50, 32, tp, torch.float32, tied_to=emb)
     head.pack_weight()
     if cpu_isa == "avx2":
-        assert head.packed.weight.data_ptr() == emb.weight.data_ptr()  # the embedding's table, not a copy
+        assert emb.weight.numel() == 0 and emb.weight.table is head.packed  # one copy, the head's
     h = torch.randn(3, 32, generator=g)
     torch.testing.assert_close(head(h), F.linear(h, table), **TOLERANCE[torch.float32])
+    ids = torch.tensor([0, 17, 49, 3])
+    assert torch.equal(emb(ids), table[ids])
