@@ -97,16 +97,8 @@ inline void panel_tile(const float* x, const w_t* panel, int64_t K, float* y, in
   }
 }
 
-inline float row_dot(const float* x, const float* w, int64_t K) {
-  __m256 a = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
-  float s = sum8(a);
-  for (; k < K; ++k) s += w[k] * x[k];
-  return s;
-}
-
-inline float row_dot(const float* x, const c10::BFloat16* w, int64_t K) {
+template <typename w_t>
+inline float row_dot(const float* x, const w_t* w, int64_t K) {
   __m256 a = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a);
