@@ -76,6 +76,10 @@ class ModelCost:
     """Weight-only quantization of the linear layers (configs.memory.head_quantization for the head)."""
     kv_dtype: str = "auto"
     """config cache.dtype (auto: the activations' dtype, or int8)."""
+    weight_dtype_bytes: int | None = None
+    """Bytes of an unquantized weight as the products read it, where that is not the
+    activations' dtype (a float32 model's bf16 numbers kept in bf16: layers/matmul.py
+    bf16_exact); None: dtype_bytes."""
 
     @property
     def matmul_params(self) -> int:
@@ -92,8 +96,9 @@ class ModelCost:
         i = self.info
         head = i.vocab_size * i.hidden_size
         layers = i.num_hidden_layers * i.active_layer_parameters + i.hidden_size  # and the final norm
-        return int(layers * matmul_bytes_per_param(self.quantization, self.dtype_bytes)
-                   + head * matmul_bytes_per_param(head_quantization(self.quantization), self.dtype_bytes))
+        stored = self.weight_dtype_bytes or self.dtype_bytes
+        return int(layers * matmul_bytes_per_param(self.quantization, stored)
+                   + head * matmul_bytes_per_param(head_quantization(self.quantization), stored))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -14,6 +14,7 @@ from meshserve.layers.backend import ContextParallelBackend, TorchBackend
 from meshserve.layers.embedding import ParallelLMHead
 from meshserve.layers.kernels.cpu_decode_layers import fused_decode_layers
 from meshserve.layers.llama import LlamaForCausalLM
+from meshserve.layers.matmul import kept_in_bf16
 from meshserve.layers.mixtral import MixtralForCausalLM
 from meshserve.layers.qwen2_moe import Qwen2MoeForCausalLM
 from meshserve.layers.qwen3 import Qwen3ForCausalLM
@@ -88,6 +89,10 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
             module.pack_weight(head_quantization(quantization), dtype)
         elif hasattr(module, "pack_weight"):
             module.pack_weight(quantization, dtype)
+    kept, dense = kept_in_bf16(model)
+    if kept:
+        log.info("%d of %d weights hold only bf16 numbers (a bf16 checkpoint): kept in bf16, half the bytes, and "
+                 "widened exactly in the products", kept, dense)
     if load_dtype != dtype:
         for param in model.parameters():
             param.data = param.data.to(dtype)

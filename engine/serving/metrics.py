@@ -25,6 +25,7 @@ from meshserve.engine.output import RequestState
 from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
 from meshserve.engine.scheduler import ScheduledBatch
 from meshserve.engine.sequence import Sequence
+from meshserve.layers.matmul import kept_in_bf16
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +301,9 @@ def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_fl
                  "memory_bandwidth skip it)")
     roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth,
                                 quantization)
-    metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization, kv_dtype), roofline)
+    kept, dense = kept_in_bf16(engine.executor.runner.model)
+    stored = 2 if dense and kept == dense else None  # a float32 model's bf16 numbers kept in bf16
+    metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization, kv_dtype, stored), roofline)
     log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,
              roofline.memory_bandwidth)
     return roofline

@@ -5,7 +5,7 @@ replica 0 computes prompts, replica 1 decodes, the KV blocks cross between their
   concurrent requests and a conversation's second turn, whose prefix the decode replica
   already holds (not sent again: fewer bytes, cached tokens in the usage); the decode
   replica never computed a prompt token.
-- int8 KV cache: the same tokens as one replica with the same config.
+- int8 KV cache: the same tokens as one replica with the same config (in this process).
 - The prefill replica killed while a long prompt computes: that request alone gets
   `unavailable`, streams already decoding finish, /health says degraded.
 """
@@ -92,21 +92,25 @@ def test_prefill_and_decode_replicas_of_two_tensor_parallel_ranks(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_an_int8_kv_cache_crosses_as_it_is(tmp_path):
+def test_an_int8_kv_cache_crosses_as_it_is(tmp_path, smollm2):
+    """Against one replica with the same config: the engine in this process."""
+    from meshserve.comm.messages import SamplingParams
+    from meshserve.engine.offline import generate
     from support.checkpoints import smollm2_tokenizer
+    from support.engines import make_engine
 
     tok = smollm2_tokenizer()
     prompts = [chat_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    outputs = {}
-    for name, sets in (("single", ()), ("disagg", DISAGG)):
-        server, address, _ = serve(tmp_path, f"int8-{name}", "cache.dtype=int8", *sets)
-        try:
-            with Client(address, timeout=180) as client:
-                outputs[name] = [client.generate(p, max_tokens=10, temperature=0).token_ids for p in prompts]
-            assert server.stop() == 0, server.tail()
-        finally:
-            server.kill()
-    assert outputs["disagg"] == outputs["single"]
+    server, address, _ = serve(tmp_path, "int8-disagg", "cache.dtype=int8", *DISAGG)
+    try:
+        with Client(address, timeout=180) as client:
+            got = [client.generate(p, max_tokens=10, temperature=0).token_ids for p in prompts]
+        assert server.stop() == 0, server.tail()
+    finally:
+        server.kill()
+    one = make_engine(smollm2, "cache.dtype=int8", "model.max_model_len=512")
+    want = [generate(one, [p], [SamplingParams(max_tokens=10, temperature=0)])[0].token_ids for p in prompts]
+    assert got == want
 
 
 def _stream(address: str, prompt: list[int], max_tokens: int, started: threading.Event, outcome: dict) -> None:

@@ -63,6 +63,31 @@ def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoin
         assert batched == [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
 
 
+def test_a_bf16_checkpoint_served_in_float32_keeps_its_weights_in_bf16(tiny_checkpoints, tmp_path):
+    """A float32 model of a bf16 checkpoint: every product's weight holds only bf16 numbers
+    and is kept in bf16 (the tied embedding's lookups come back in float32); the tokens are
+    transformers' float32 ones on the same checkpoint, alone and batched."""
+    import shutil
+
+    from meshserve.layers.matmul import kept_in_bf16
+
+    source = tiny_checkpoints["llama"]
+    path = tmp_path / "bf16"
+    hf_model(source).to(torch.bfloat16).save_pretrained(str(path), safe_serialization=True)
+    for f in source.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, path / f.name)
+    engine = make_engine(path, *AVX2)
+    model = engine.executor.runner.model
+    kept, dense = kept_in_bf16(model)
+    assert dense > 0 and kept == dense
+    assert model.model.embed_tokens(torch.tensor([3, 7])).dtype == torch.float32
+    assert model.model.fused_decode is not None
+    ref = hf_model(path)
+    assert _tokens(engine) == [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    assert kept_in_bf16(make_engine(source, *AVX2).executor.runner.model) == (0, dense)  # float32 numbers stay
+
+
 def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tiny_checkpoints):
     """A residual given (a pipeline stage after the first) and some slots of a fresh cache:
     the fused call and the loop write the same K/V rows and return the same (hidden,

@@ -147,3 +147,43 @@ def test_the_avx2_build_multiplies_weights_in_panels(cpu_isa):
     torch.testing.assert_close(head(h), F.linear(h, table), **TOLERANCE[torch.float32])
     ids = torch.tensor([0, 17, 49, 3])
     assert torch.equal(emb(ids), table[ids])
+
+
+def test_a_float32_weight_of_bf16_numbers_is_kept_in_bf16(cpu_isa):
+    """In the avx2 build a float32 weight whose every element is a bf16 number (a bf16
+    checkpoint read in float32) is kept in bf16 panels: the products are the float32
+    weight's (the widening is exact) at every tile height, in float32; the
+    rows looked up are the weight's, in float32. A weight with one float32-only element stays
+    float32; MBU counts the bytes kept."""
+    from meshserve.configs.model_info import ModelInfo
+    from meshserve.engine.perf import ModelCost
+    from meshserve.layers import matmul
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g).bfloat16().float()
+    assert matmul.bf16_exact(w) and not matmul.bf16_exact(w.bfloat16()) and not matmul.bf16_exact(w[:0])
+    almost = w.clone()
+    almost[40, 7] += almost[40, 7].abs() * 2 ** -12
+    assert not matmul.bf16_exact(almost) and not matmul.bf16_exact(torch.randn(8, 8, generator=g))
+    assert matmul.bf16_exact(w, chunk=100) and not matmul.bf16_exact(almost, chunk=100)
+    col = ColumnParallelLinear(64, 96, AxisGroup.single("tp"), dtype=torch.float32)
+    col.weight.weight_loader(col.weight, MemoryTensor(w))
+    col.pack_weight()
+    if cpu_isa != "avx2":
+        assert not isinstance(col.packed, matmul.DenseCpuMatmul)
+        return
+    assert col.packed.weight.dtype == torch.bfloat16 and col.packed.dtype == torch.float32
+    for rows in (1, 5, 6, 11, 12, 13, 64, 500):
+        x = torch.randn(rows, 64, generator=g)
+        got = col(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x, w), **TOLERANCE[torch.float32])
+    ids = torch.tensor([0, 95, 17])
+    assert torch.equal(col.packed.rows(ids), w[ids])
+    assert matmul.DenseCpuMatmul(almost).weight.dtype == torch.float32
+    info = ModelInfo(architecture="LlamaForCausalLM", format="hf", path="", hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100,
+                     rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True,
+                     attention_bias=False)
+    assert ModelCost(info, 4, weight_dtype_bytes=2).weight_bytes == ModelCost(info, 2).weight_bytes
+    assert ModelCost(info, 4).weight_bytes == 2 * ModelCost(info, 2).weight_bytes
