@@ -21,6 +21,7 @@ from meshserve.engine.decode_graphs import DecodeGraphs
 from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.speculative.verify import accept
+from meshserve.engine.zero_pages import zeros_on_touch
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
 from meshserve.layers import prompt_logprobs
@@ -126,8 +127,8 @@ class ModelRunner:
         if decode_graphs or compile_decode:
             shape = (shape[0] + 1, *shape[1:])  # block num_blocks: the graphs' or the warm-up's scratch
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
-                           torch.zeros(shape, dtype=cache_dtype, device=self.device)) for _ in model.layers]
+        self.kv_caches = [(zeros_on_touch(shape, cache_dtype, self.device),
+                           zeros_on_touch(shape, cache_dtype, self.device)) for _ in model.layers]
         self.compiled = None
         """The compiled decode step once it is ready (decode steps run eagerly until then)."""
         self.compile_thread = None

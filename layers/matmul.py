@@ -108,7 +108,8 @@ def bf16_exact(weight: torch.Tensor, chunk: int = 1 << 22) -> bool:
     if weight.dtype != torch.float32 or weight.numel() == 0:
         return False
     bits = weight.detach().reshape(-1).view(torch.int32)
-    return not any(bool(torch.any(part & 0xFFFF)) for part in bits.split(chunk))
+    parts = (bits[:4096], *bits[4096:].split(chunk))  # a float32 weight shows itself in its first elements
+    return not any(bool(torch.any(part & 0xFFFF)) for part in parts)
 
 
 def dense_kernel_helps(weight: torch.Tensor) -> bool:

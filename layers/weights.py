@@ -21,8 +21,9 @@ import torch
 from gguf.quants import dequantize
 from safetensors import safe_open
 
-from meshserve.configs.gguf_meta import open_gguf
 from meshserve.configs.model_info import ModelInfo, safetensors_shards
+from meshserve.layers.gguf_dequant import dequantize_rows
+from meshserve.layers.gguf_index import gguf_tensors
 
 
 class CheckpointTensor(Protocol):
@@ -69,6 +70,9 @@ class SafetensorsTensor:
         return self._handle.get_slice(self._name)[tuple(slice(lo, hi) for lo, hi in self._ranges)]
 
 
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
 class GGUFTensor:
     """A 1-D or 2-D GGUF tensor, in torch order (rows = output features).
 
@@ -101,13 +105,13 @@ class GGUFTensor:
             data = data[self._rows]
         block, type_size = gguf.GGML_QUANT_SIZES[self._qtype]
         lo, hi = self._cols
-        if lo % block == 0 and hi % block == 0 and self._qtype not in (gguf.GGMLQuantizationType.F32,
-                                                                       gguf.GGMLQuantizationType.F16,
-                                                                       gguf.GGMLQuantizationType.BF16):
-            values = dequantize(np.ascontiguousarray(data[:, lo // block * type_size: hi // block * type_size]), self._qtype)
-        else:
+        if self._qtype in _FLOAT_TYPES:
             values = dequantize(np.ascontiguousarray(data), self._qtype)[:, lo:hi]
-        out = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy, off the mmap
+            out = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy, off the mmap
+        elif lo % block == 0 and hi % block == 0:
+            out = dequantize_rows(data[:, lo // block * type_size: hi // block * type_size], self._qtype)
+        else:
+            out = dequantize_rows(data, self._qtype)[:, lo:hi].contiguous()
         return out.reshape(self.shape)
 
 
@@ -191,8 +195,7 @@ def _iter_gguf_experts(info: ModelInfo, t) -> Iterator[tuple[str, CheckpointTens
 
 
 def _iter_gguf(info: ModelInfo) -> Iterator[tuple[str, CheckpointTensor]]:
-    reader = open_gguf(info.path)
-    for t in reader.tensors:
+    for t in gguf_tensors(info.path):
         m = _BLOCK.fullmatch(t.name)
         if m and m.group(2) in _GGUF_EXPERTS:
             yield from _iter_gguf_experts(info, t)

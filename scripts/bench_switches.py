@@ -93,7 +93,8 @@ def median_of(rounds: list[dict], c: str, key: str) -> float | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32],
+                   help="concurrencies to bench each server at (none: only the start times)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-slot", type=int, default=1, help="prompts per concurrency slot in each run")

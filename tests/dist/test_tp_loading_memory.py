@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from meshserve.comm.groups import AxisGroup
-from meshserve.configs.gguf_meta import open_gguf
 from meshserve.configs.model_info import read_model_info
+from meshserve.layers.gguf_index import gguf_tensors
 from meshserve.layers.loader import build_model
 from meshserve.parallel.topology import Topology
 from support.checkpoints import smollm2_path
@@ -30,7 +30,7 @@ def _peak_rss_bytes() -> int:
 def load_and_measure(groups, path) -> int:
     """Peak resident-memory growth (bytes) of loading this rank's shard."""
     info = read_model_info(str(path))
-    open_gguf(info.path)  # parses the GGUF's header (its vocabulary arrays are not part of the weights)
+    gguf_tensors(info.path)  # maps the GGUF and reads its tensor index (not part of the weights)
     # NOTE: reset the peak first: a forked rank inherits the test process's (ru_maxrss too).
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
