@@ -25,6 +25,9 @@ class Executor(Protocol):
     failure: FailureSignal
     """Triggered once the ranks can no longer serve (comm/failure.py)."""
 
+    runner: ModelRunner
+    """The driver's own shard (rank 0): what the metrics read of the model and its KV transfers."""
+
     def landed(self) -> dict[int, bool]:
         """Disaggregated decode: whether each KV transfer the last submitted plan landed
         arrived whole (every rank agreed before the step ran)."""

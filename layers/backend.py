@@ -186,16 +186,18 @@ BF16_INPUTS = " on bfloat16 inputs"
 
 
 def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head_dim: int,
-                   device: torch.device | str = "cpu") -> str:
+                   device: torch.device | str = "cpu", kept_in_bf16: bool = False) -> str:
     """One start-up line: what computes each op of this rank's model, e.g. `matmul: C++ AVX2
     on float32 weights in panels; attention: cpu backend, C++ paged decode (avx2 build),
-    prefill SDPA; norm/act/rotary: C++ (avx2 build) in eager steps`."""
+    prefill SDPA; norm/act/rotary: C++ (avx2 build) in eager steps`. `kept_in_bf16`: the
+    float32 model's weights hold bf16 numbers and are kept in bf16 (layers.matmul.bf16_exact)."""
     name = str(dtype).removeprefix("torch.")
     on_cpu = torch.device(device).type == "cpu"
     if quantization != "none":
         matmul = MATMULS[quantization] + (BF16_INPUTS if dtype == torch.float32 and quantization != "w8a8" else "")
     elif dense_kernel_chosen(device, dtype):
-        matmul = f"C++ AVX2 on {name} weights in panels"
+        kept = " kept in bf16 (bf16 numbers, widened exactly)" if kept_in_bf16 and dtype == torch.float32 else ""
+        matmul = f"C++ AVX2 on {name} weights in panels{kept}"
     elif on_cpu and torch.backends.mkldnn.is_available() and (
             dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
         matmul = f"oneDNN packed {name}"

@@ -89,7 +89,7 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
             module.pack_weight(head_quantization(quantization), dtype)
         elif hasattr(module, "pack_weight"):
             module.pack_weight(quantization, dtype)
-    kept, dense = kept_in_bf16(model)
+    model.kept_in_bf16 = kept, dense = kept_in_bf16(model)
     if kept:
         log.info("%d of %d weights hold only bf16 numbers (a bf16 checkpoint): kept in bf16, half the bytes, and "
                  "widened exactly in the products", kept, dense)

@@ -25,7 +25,6 @@ from meshserve.engine.output import RequestState
 from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
 from meshserve.engine.scheduler import ScheduledBatch
 from meshserve.engine.sequence import Sequence
-from meshserve.layers.matmul import kept_in_bf16
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +160,8 @@ class EngineMetrics:
         self.kv_usage.set_function(lambda: sched.blocks.usage)
         blocks = sched.blocks
         self.prefix_hit_rate.set_function(lambda: blocks.hit_tokens / blocks.query_tokens if blocks.query_tokens else 0.0)
-        runner = getattr(engine.executor, "runner", None)
-        if runner is not None and runner.kv is not None:
+        runner = engine.executor.runner
+        if runner.kv is not None:
             self._kv_transfer_gauges(runner.kv.stats)
         self._cost, self._roofline = cost, roofline
         if roofline is not None:
@@ -301,7 +300,7 @@ def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_fl
                  "memory_bandwidth skip it)")
     roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth,
                                 quantization)
-    kept, dense = kept_in_bf16(engine.executor.runner.model)
+    kept, dense = engine.executor.runner.model.kept_in_bf16  # counted by the loader
     stored = 2 if dense and kept == dense else None  # a float32 model's bf16 numbers kept in bf16
     metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization, kv_dtype, stored), roofline)
     log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,
