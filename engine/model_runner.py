@@ -21,10 +21,10 @@ from meshserve.engine.decode_graphs import DecodeGraphs
 from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.speculative.verify import accept
-from meshserve.engine.zero_pages import zeros_on_touch
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
 from meshserve.layers import prompt_logprobs
+from meshserve.layers.host_memory import zeros_on_touch
 from meshserve.layers.loader import build_model
 from meshserve.layers.moe import FusedMoE
 from meshserve.layers.prompt_logprobs import PromptSpan

@@ -6,7 +6,8 @@ Each kernel's pass over all the weights is timed against a sum over the same wei
 rate at which this machine reads them, `torch.sum` one matrix at a time) and a read-bandwidth
 probe (the one decode MBU is taken against, engine.perf), all interleaved in one process,
 medians of --rounds. Kernels: meshserve's avx2 product (layers/kernels/cpu_dense_linear.cpp,
-the weights in its panels) on float32 and bf16 weights, and oneDNN's float32 `F.linear`.
+the weights in its panels, in huge pages as meshserve keeps them, and in 4 KB pages) on
+float32 and bf16 weights, and oneDNN's float32 `F.linear`.
 
     python scripts/bench_decode_products.py [--rows 1 32] [--rounds 15] [--output FILE.json]
 """
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.engine.perf import measure_memory_bandwidth
+from meshserve.layers.host_memory import in_huge_pages
 from meshserve.layers.kernels import cpu_library
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -44,9 +46,10 @@ def passes(rows: int, isa_ops) -> dict:
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         tag = str(dtype).removeprefix("torch.")
         if isa_ops is not None:
-            panels = [isa_ops.pack_panels(w) for w in weights]
-            out[f"meshserve_{tag}"] = ((lambda ps=panels, xs=inputs: [isa_ops.dense_linear(xs[p.shape[1]], p)
-                                                                       for p in ps]), nbytes)
+            small = [isa_ops.pack_panels(w) for w in weights]
+            panels = [in_huge_pages(p) for p in small]  # as meshserve keeps them (layers/matmul.py)
+            for name, ps in ((f"meshserve_{tag}", panels), (f"meshserve_{tag}_4k_pages", small)):
+                out[name] = ((lambda ps=ps, xs=inputs: [isa_ops.dense_linear(xs[p.shape[1]], p) for p in ps]), nbytes)
         if dtype == torch.float32:
             out["onednn_float32"] = ((lambda ws=weights, xs=inputs: [F.linear(xs[w.shape[1]], w) for w in ws]), nbytes)
         out[f"sum_{tag}"] = ((lambda ws=weights: [w.sum() for w in ws]), nbytes)

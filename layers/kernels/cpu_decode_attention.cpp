@@ -184,25 +184,51 @@ using meshserve_cpu::sum8;
 template <typename scalar_t, int64_t DIM>
 constexpr bool kVectorized8 = DIM > 0 && DIM % 8 == 0 && DIM <= 128 && meshserve_cpu::kHasVec8<scalar_t>;
 
-// The AVX2 build's block of at most 16 cached tokens, one query head at a time (its query
-// and its DIM / 8 sums fit the 16 registers): scores, the softmax carried over (top,
-// total; exp 8 lanes at a time), and the values weighted into acc.
+// Lane j: the sum of v[j]'s 8 lanes (8 horizontal sums in 9 shuffles and adds).
+inline __m256 sum8x8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // ab: v0..v3's sums of lanes 0-3, then of lanes 4-7; cd: v4..v7's
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// The AVX2 build's block of at most 16 cached tokens, one query head at a time: scores 8
+// keys at a time (8 independent sums, summed across lanes together), the softmax carried
+// over (top, total; exp 8 lanes at a time), and the values weighted into acc.
 template <typename scalar_t, int64_t DIM>
 inline void attend_block8(const float* q, const scalar_t* kb, const scalar_t* vb, int64_t stride, int64_t rows,
                           int64_t group, float* top, float* total, float* acc) {
   constexpr int64_t NV = DIM / 8;
-  alignas(32) float s[16] = {};  // lanes past `rows` are exp'd and never read
+  alignas(32) float s[16];
   for (int64_t g = 0; g < group; ++g) {
-    __m256 a[NV];
-    for (int64_t i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(q + g * DIM + 8 * i);
-    float new_top = top[g];
-    for (int64_t t = 0; t < rows; ++t) {
-      const scalar_t* key = kb + t * stride;
-      __m256 d = _mm256_mul_ps(a[0], load8(key));
-      for (int64_t i = 1; i < NV; ++i) d = _mm256_fmadd_ps(a[i], load8(key + 8 * i), d);
-      s[t] = sum8(d) * row_scale(key, DIM);
-      new_top = std::max(new_top, s[t]);
+    const float* qg = q + g * DIM;
+    __m256 best = _mm256_set1_ps(top[g]);
+    for (int64_t t0 = 0; t0 < rows; t0 += 8) {
+      __m256 d[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) d[j] = _mm256_setzero_ps();
+      // rows past the block's last score its last row again: the max is unchanged, and those
+      // lanes of s are never read
+      const scalar_t* key[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) key[j] = kb + std::min<int64_t>(t0 + j, rows - 1) * stride;
+      for (int64_t i = 0; i < NV; ++i) {
+        const __m256 qi = _mm256_loadu_ps(qg + 8 * i);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) d[j] = _mm256_fmadd_ps(qi, load8(key[j] + 8 * i), d[j]);
+      }
+      __m256 scores = sum8x8(d);
+      if constexpr (std::is_same_v<scalar_t, int8_t>) {
+        alignas(32) float by[8];
+        for (int j = 0; j < 8; ++j) by[j] = row_scale(key[j], DIM);
+        scores = _mm256_mul_ps(scores, _mm256_load_ps(by));
+      }
+      _mm256_store_ps(s + t0, scores);
+      best = _mm256_max_ps(best, scores);
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float new_top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const __m256 shift = _mm256_set1_ps(new_top);
     for (int64_t t = 0; t < rows; t += 8) _mm256_store_ps(s + t, exp8(_mm256_sub_ps(_mm256_load_ps(s + t), shift)));
     float sum = 0.f;
@@ -211,6 +237,7 @@ inline void attend_block8(const float* q, const scalar_t* kb, const scalar_t* vb
     total[g] = total[g] * rescale + sum;
     top[g] = new_top;
     float* ag = acc + g * DIM;
+    __m256 a[NV];
     for (int64_t i = 0; i < NV; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * i), _mm256_set1_ps(rescale));
     for (int64_t t = 0; t < rows; ++t) {
       const scalar_t* value = vb + t * stride;
@@ -260,7 +287,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // misses in flight, the arithmetic between the loads does not (measured with the cache in
   // memory, 32 sequences of 160 tokens, SmolLM2's heads, bf16: 297 vs 422 us per layer). Asking for
   // the next block's lines before working on this one took another 6% (274 vs 293 us;
-  // two blocks ahead, or into L2 only, no better).
+  // two blocks ahead, or into L2 only, no better). On a 2-core AMD EPYC (AVX2) too: reading the
+  // cache in place, with or without the prefetch, was faster only while the cache stayed in L3
+  // (scripts/bench_decode_attention.py --warm), up to 1.4x slower from memory.
   const int64_t per_task = n >= 2 * at::get_num_threads() ? kv_heads : 1, splits = kv_heads / per_task;
   at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_per_task = per_task * group;  // query heads of a task

@@ -1,0 +1,88 @@
+"""layers.host_memory: the KV cache's zeros cost no memory until written, read as
+torch.zeros reads, and go back to the system with the tensor; a weight copied into huge
+pages holds the same values, in huge pages where the kernel gives them."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+
+import pytest
+import torch
+
+from meshserve.layers.host_memory import HUGE_PAGE, in_huge_pages, zeros_on_touch
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_zeros_on_touch_are_zeros_that_take_memory_only_where_written(dtype):
+    shape = (256, 16, 8, 512)  # 16M elements: 16-64 MiB
+    before = _status_mib("VmRSS")
+    cache = zeros_on_touch(shape, dtype)
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert _status_mib("VmRSS") - before < 8  # nothing resident yet
+    cache[3].fill_(2)
+    expected = torch.zeros(shape, dtype=dtype)
+    expected[3].fill_(2)
+    assert torch.equal(cache, expected)
+    assert cache.data_ptr() % 64 == 0
+
+
+def test_the_memory_goes_back_with_the_tensor_and_a_fork_does_not_share_it():
+    before = _status_mib("VmSize")
+    cache = zeros_on_touch((1 << 28,), torch.float32)  # 1 GiB of address space
+    assert _status_mib("VmSize") - before >= 1000
+    cache[:10] = 1.0
+    pid = os.fork()
+    if pid == 0:
+        ctypes.memset(cache.data_ptr(), 0x40, 40)  # the child's copy (no torch call after a fork)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert cache[:10].eq(1.0).all()
+    del cache
+    gc.collect()
+    assert _status_mib("VmSize") - before < 100
+
+
+def test_other_devices_get_torch_zeros():
+    t = zeros_on_touch((4, 3), torch.float32, "meta")
+    assert t.device.type == "meta" and t.shape == (4, 3)
+
+
+def _huge_kb_of_mapping(address: int) -> int:
+    """AnonHugePages (kB) of the mapping of /proc/self/smaps that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_big_weight_copied_into_huge_pages_keeps_its_values(dtype):
+    weight = torch.randn(3072, 576).to(dtype)
+    copy = in_huge_pages(weight)
+    assert copy.dtype == dtype and copy.shape == weight.shape and copy.is_contiguous()
+    assert torch.equal(copy, weight) and copy.data_ptr() != weight.data_ptr()
+    if _thp_mode() in ("always", "madvise"):
+        assert _huge_kb_of_mapping(copy.data_ptr() + copy.nbytes // 2) >= HUGE_PAGE // 1024
+    small = torch.randn(16, 16)
+    assert in_huge_pages(small) is small
