@@ -83,12 +83,13 @@ def main() -> None:
         print(f"rows {rows}: read-bandwidth probe {probe / 1e9:.1f} GB/s (median of {args.rounds})")
         for name, (_, nbytes) in kernels.items():
             seconds = statistics.median(times[name])
-            sum_seconds = statistics.median(times["sum_" + name.rsplit("_", 1)[1]])
+            dtype_name = "float32" if "float32" in name else "bfloat16"
+            sum_seconds = statistics.median(times["sum_" + dtype_name])
             row = {"rows": rows, "kernel": name, "ms": seconds * 1e3, "GBps": nbytes / seconds / 1e9,
                    "of_sum": sum_seconds / seconds, "of_probe": nbytes / seconds / probe,
-                   "GFLOPs": 2 * rows * nbytes / (4 if "float32" in name else 2) / seconds / 1e9}
+                   "GFLOPs": 2 * rows * nbytes / (4 if dtype_name == "float32" else 2) / seconds / 1e9}
             results.append(row)
-            print(f"  {name:18s} {row['ms']:7.2f} ms  {row['GBps']:5.1f} GB/s  {100 * row['of_sum']:5.1f}% of the sum's "
+            print(f"  {name:28s} {row['ms']:7.2f} ms  {row['GBps']:5.1f} GB/s  {100 * row['of_sum']:5.1f}% of the sum's "
                   f"rate  {100 * row['of_probe']:5.1f}% of the probe  {row['GFLOPs']:6.1f} GFLOP/s", flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
