@@ -1,14 +1,13 @@
-"""Host memory for the big CPU tensors (the KV cache, the packed weights): anonymous private
-maps, in transparent huge pages where the kernel gives them (`madvise` mode included).
+"""Host memory for the KV cache: an anonymous private map, in transparent huge pages where
+the kernel gives them (`madvise` mode included).
 
 torch.zeros writes every byte: a 1 GiB KV cache took seconds of a start, all of it resident
 though a short run writes a few blocks. `zeros_on_touch` maps memory the kernel hands out
-zeroed on first touch instead; pages never written take no memory.
-
-A 538 MB stream of weights in 4 KB pages misses the TLB every page: in 2 MB pages the same
-products read SmolLM2's weights ~15% faster at one row and ~3% at 32 (2-core AMD EPYC,
-AVX2; scripts/bench_decode_products.py), and decode attention reads the cache 3-8% faster.
-Other devices get torch's own allocations.
+zeroed on first touch instead; pages never written take no memory. In 2 MB pages the decode
+attention, which reads 16-token blocks scattered over the cache, ran 3-8% faster than in
+4 KB pages (2-core AMD EPYC, the cache read from memory, paired in one process). The packed
+weights were tried in huge pages too: no difference measured in the products or in batch-1
+decode, so they stay in torch's allocations. Other devices get torch.zeros.
 """
 
 from __future__ import annotations
@@ -38,13 +37,3 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     return _mapped(nbytes, dtype).view(shape)
-
-
-def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor of 2 MB or more in memory advised for huge pages;
-    other tensors as they are."""
-    if tensor.device.type != "cpu" or tensor.nbytes < HUGE_PAGE:
-        return tensor
-    out = _mapped(tensor.nbytes, tensor.dtype).view(tensor.shape)
-    out.copy_(tensor)
-    return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from meshserve.configs.cpu_features import cpu_features
-from meshserve.layers.host_memory import in_huge_pages
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.quant import quantized_matmul
 
@@ -84,7 +83,7 @@ class DenseCpuMatmul:
         stored = weight.detach().contiguous()
         if bf16_exact(stored):
             stored = stored.to(torch.bfloat16)
-        self.weight = in_huge_pages(cpu_library.ops.pack_panels(stored))
+        self.weight = cpu_library.ops.pack_panels(stored)
         self.op = cpu_library.ops.dense_linear
         self.gather = cpu_library.ops.panel_rows
 

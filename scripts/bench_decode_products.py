@@ -6,8 +6,7 @@ Each kernel's pass over all the weights is timed against a sum over the same wei
 rate at which this machine reads them, `torch.sum` one matrix at a time) and a read-bandwidth
 probe (the one decode MBU is taken against, engine.perf), all interleaved in one process,
 medians of --rounds. Kernels: meshserve's avx2 product (layers/kernels/cpu_dense_linear.cpp,
-the weights in its panels, in huge pages as meshserve keeps them, and in 4 KB pages) on
-float32 and bf16 weights, and oneDNN's float32 `F.linear`.
+the weights in its panels) on float32 and bf16 weights, and oneDNN's float32 `F.linear`.
 
     python scripts/bench_decode_products.py [--rows 1 32] [--rounds 15] [--output FILE.json]
 """
@@ -24,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.engine.perf import measure_memory_bandwidth
-from meshserve.layers.host_memory import in_huge_pages
 from meshserve.layers.kernels import cpu_library
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -46,10 +44,9 @@ def passes(rows: int, isa_ops) -> dict:
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         tag = str(dtype).removeprefix("torch.")
         if isa_ops is not None:
-            small = [isa_ops.pack_panels(w) for w in weights]
-            panels = [in_huge_pages(p) for p in small]  # as meshserve keeps them (layers/matmul.py)
-            for name, ps in ((f"meshserve_{tag}", panels), (f"meshserve_{tag}_4k_pages", small)):
-                out[name] = ((lambda ps=ps, xs=inputs: [isa_ops.dense_linear(xs[p.shape[1]], p) for p in ps]), nbytes)
+            panels = [isa_ops.pack_panels(w) for w in weights]
+            out[f"meshserve_{tag}"] = ((lambda ps=panels, xs=inputs: [isa_ops.dense_linear(xs[p.shape[1]], p)
+                                                                       for p in ps]), nbytes)
         if dtype == torch.float32:
             out["onednn_float32"] = ((lambda ws=weights, xs=inputs: [F.linear(xs[w.shape[1]], w) for w in ws]), nbytes)
         out[f"sum_{tag}"] = ((lambda ws=weights: [w.sum() for w in ws]), nbytes)
@@ -83,13 +80,12 @@ def main() -> None:
         print(f"rows {rows}: read-bandwidth probe {probe / 1e9:.1f} GB/s (median of {args.rounds})")
         for name, (_, nbytes) in kernels.items():
             seconds = statistics.median(times[name])
-            dtype_name = "float32" if "float32" in name else "bfloat16"
-            sum_seconds = statistics.median(times["sum_" + dtype_name])
+            sum_seconds = statistics.median(times["sum_" + name.rsplit("_", 1)[1]])
             row = {"rows": rows, "kernel": name, "ms": seconds * 1e3, "GBps": nbytes / seconds / 1e9,
                    "of_sum": sum_seconds / seconds, "of_probe": nbytes / seconds / probe,
-                   "GFLOPs": 2 * rows * nbytes / (4 if dtype_name == "float32" else 2) / seconds / 1e9}
+                   "GFLOPs": 2 * rows * nbytes / (4 if "float32" in name else 2) / seconds / 1e9}
             results.append(row)
-            print(f"  {name:28s} {row['ms']:7.2f} ms  {row['GBps']:5.1f} GB/s  {100 * row['of_sum']:5.1f}% of the sum's "
+            print(f"  {name:18s} {row['ms']:7.2f} ms  {row['GBps']:5.1f} GB/s  {100 * row['of_sum']:5.1f}% of the sum's "
                   f"rate  {100 * row['of_probe']:5.1f}% of the probe  {row['GFLOPs']:6.1f} GFLOP/s", flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
