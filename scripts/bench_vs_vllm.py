@@ -6,11 +6,19 @@ output tokens, at concurrency 1, 8 and 32, the same sampling for both clients (g
 default; --temperature 1.0 for what vLLM's client sends when told nothing).
 
 Each round starts every server in turn, alternating which goes first, and gives every
-concurrency prompts no server has seen (a fresh server has an empty prefix cache anyway);
+concurrency prompts no server has seen (a fresh server has an empty prefix cache anyway),
+after an unmeasured warm-up at the highest concurrency (one request per slot, 32 output
+tokens: a server's first full batch pays first-use costs, its KV cache's first pages among
+them, that a serving benchmark's numbers should not carry; --no-warmup skips it);
 the medians of each (server, client,
 concurrency) over --rounds are printed with the meshserve / vLLM ratios, and the clients'
 agreement on each server (their tok/s ratio). Every client JSON and a summary go under
 --out.
+
+Each round also measures this machine's roofline right before meshserve starts (the matmul
+peak of the products meshserve runs for --dtype, the read bandwidth: engine/perf.py), and
+the table ends with meshserve's tok/s as a share of the tok/s that roofline allows for the
+workload at each concurrency (`roofline_tok_s`).
 
 vLLM runs in its own virtual environment (--vllm-python; scripts/peers/vllm_cli.py is its
 `vllm` command), tuned as its users would tune it on this machine: both cores compute
@@ -31,9 +39,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from bench_http import Served
 from meshserve.configs.cpu_features import cpu_features
-from meshserve.configs.model_info import resolve_model_path
+from meshserve.configs.model_info import read_model_info, resolve_model_path
+from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
 from meshserve.launcher.network import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -104,6 +115,25 @@ def vllm_client(url: str, c: int, args, out: Path, model: Path) -> dict:
             "p99_ttft_ms": r["p99_ttft_ms"], "median_tpot_ms": r["median_tpot_ms"], "p99_tpot_ms": r["p99_tpot_ms"]}
 
 
+def roofline_tok_s(cost: ModelCost, c: int, input_len: int, output_len: int, peak: float,
+                   bandwidth: float) -> float:
+    """Output tok/s the roofline allows at concurrency c: waves of c requests, each wave one
+    prefill of c prompts and output_len - 1 decode steps of c sequences, every step as long
+    as the slower of its FLOPs at `peak` and its bytes (the weights once, each sequence's
+    KV cache) at `bandwidth`."""
+    def step(flops: float, kv_tokens: int) -> float:
+        return max(flops / peak, (cost.weight_bytes + kv_tokens * cost.kv_bytes_per_token) / bandwidth)
+
+    wave = step(c * cost.flops(input_len, input_len), 0)
+    wave += sum(step(c * cost.flops(1, ctx), c * ctx) for ctx in range(input_len + 1, input_len + output_len))
+    return c * output_len / wave
+
+
+def kept_bf16(log: Path) -> bool:
+    """Whether meshserve's loader kept the float32 model's weights in bf16 (its log says)."""
+    return "kept in bf16, half the bytes" in log.read_text(errors="replace")
+
+
 def prompts(c: int, args) -> int:
     return max(args.min_prompts, args.prompts_per_slot * c)
 
@@ -119,6 +149,8 @@ def main() -> int:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="an unmeasured run at the highest concurrency before each server's runs")
     p.add_argument("--vllm-python", default=str(Path.home() / "venv-vllm" / "bin" / "python"))
     p.add_argument("--vllm-defaults", action="store_true", help="also vLLM at its default core binding")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -130,18 +162,30 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = hf_checkpoint(REPO / "results" / "smollm2-hf-bf16")
+    dtype = getattr(torch, args.dtype)
     servers = server_commands(args, model, out)
     clients = {"meshserve bench": meshserve_client,
                "vllm bench serve": lambda url, c, a, o: vllm_client(url, c, a, o, model)}
     runs: dict[str, list[dict]] = {}
+    probes: list[dict] = []
     for r in range(args.rounds):
         names = list(servers)
         for name in names[r % len(names):] + names[:r % len(names)]:
             cmd, env, url, log = servers[name]
+            if name == "meshserve":  # the roofline, with no server up
+                probes.append({"peak": measure_matmul_peak(dtype), "bandwidth": measure_memory_bandwidth()})
             print(f"# round {r + 1}: starting {name}", file=sys.stderr, flush=True)
             served = Served(name, cmd, log.with_name(f"{log.stem}_r{r}.log"), env=env)
             try:
                 base = served.wait_http(url, timeout=1800)
+                if name == "meshserve":
+                    probes[-1]["kept_bf16"] = kept_bf16(served.log)
+                if args.warmup:
+                    c = max(args.concurrency)
+                    warm = argparse.Namespace(**{**vars(args), "seed": args.seed + 100 * r + 99, "output_len": 32,
+                                                 "prompts_per_slot": 1, "min_prompts": 1})
+                    print(f"# round {r + 1}: {name} warm-up at c={c}", file=sys.stderr, flush=True)
+                    meshserve_client(base, c, warm, out / f"{name}_warmup_r{r}.json")
                 for c in args.concurrency:
                     # prompts no server has seen; the same on every server of the round
                     run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 100 * r + c})
@@ -180,6 +224,21 @@ def main() -> int:
             b = med(f"{name}|vllm bench serve|{c}", "output_throughput")
             summary.setdefault("agreement", {})[f"{name}|{c}"] = a / b
             print(f"  {name:>15} c={c:<3} {a / b:.3f}")
+    peak = statistics.median(p["peak"] for p in probes)
+    bandwidth = statistics.median(p["bandwidth"] for p in probes)
+    dtype_bytes = dtype.itemsize
+    cost = ModelCost(read_model_info(str(model)), dtype_bytes,
+                     weight_dtype_bytes=2 if all(p.get("kept_bf16") for p in probes) else dtype_bytes)
+    print(f"\nmeshserve against this machine's roofline (medians of {len(probes)} probes: matmul peak "
+          f"{peak / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s; weights read as "
+          f"{cost.weight_bytes / 1e6:.0f} MB a step):")
+    summary["roofline"] = {"probes": probes, "peak": peak, "bandwidth": bandwidth, "weight_bytes": cost.weight_bytes}
+    for client in clients:
+        for c in args.concurrency:
+            bound = roofline_tok_s(cost, c, args.input_len, args.output_len, peak, bandwidth)
+            got = med(f"meshserve|{client}|{c}", "output_throughput")
+            summary["roofline"][f"{client}|{c}"] = {"roofline_tok_s": bound, "share": got / bound}
+            print(f"  {client:<18} c={c:<3} {got:7.1f} of {bound:7.1f} tok/s = {100 * got / bound:.1f}%")
     summary["runs"] = runs
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {out / 'summary.json'}")

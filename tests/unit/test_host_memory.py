@@ -1,6 +1,5 @@
 """layers.host_memory: the KV cache's zeros cost no memory until written, read as
-torch.zeros reads, go back to the system with the tensor, and lie in huge pages where the
-kernel gives them."""
+torch.zeros reads, and go back to the system with the tensor."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import os
 import pytest
 import torch
 
-from meshserve.layers.host_memory import HUGE_PAGE, zeros_on_touch
+from meshserve.layers.host_memory import zeros_on_touch
 
 
 def _status_mib(field: str) -> float:
@@ -52,33 +51,3 @@ def test_the_memory_goes_back_with_the_tensor_and_a_fork_does_not_share_it():
 def test_other_devices_get_torch_zeros():
     t = zeros_on_touch((4, 3), torch.float32, "meta")
     assert t.device.type == "meta" and t.shape == (4, 3)
-
-
-def _huge_kb_of_mapping(address: int) -> int:
-    """AnonHugePages (kB) of the mapping of /proc/self/smaps that holds `address`."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "never"
-
-
-def test_a_big_cache_lies_in_huge_pages_once_written():
-    cache = zeros_on_touch((4 * HUGE_PAGE // 4,), torch.float32)  # 8 MB
-    cache.fill_(1.0)
-    assert cache.sum().item() == cache.numel()
-    if _thp_mode() in ("always", "madvise"):
-        assert _huge_kb_of_mapping(cache.data_ptr() + cache.nbytes // 2) >= HUGE_PAGE // 1024
