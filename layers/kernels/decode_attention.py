@@ -29,7 +29,7 @@ MIN_TILES_PER_SPLIT = 4
 """A context slice spans at least this many BLOCK_N tiles, so a split pays for its merge."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tab"])  # it varies with the batch: one compiled variant
 def _decode_kernel(Q, K, V, O, LSE, ROWS, TABLES, LENS,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls, stride_tab,
@@ -90,7 +90,7 @@ def _decode_kernel(Q, K, V, O, LSE, ROWS, TABLES, LENS,
         tl.store(LSE + seq * stride_lt + heads * stride_lh + split * stride_ls, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # it varies with the batch: one compiled variant
 def _merge_kernel(PO, PL, O, LSE, ROWS, num_splits,
                   stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ROWS: tl.constexpr,

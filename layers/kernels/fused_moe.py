@@ -33,7 +33,7 @@ import triton.language as tl
 from meshserve.layers.kernels import next_power_of_2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # it varies with the batch: one compiled variant
 def _grouped_gemm_kernel(A, B, C, SORTED_PAIRS, BLOCK_EXPERTS, NUM_PADDED, WEIGHTS, num_pairs, N, K,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          TOP_K: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,

@@ -28,7 +28,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # a kernel may read a global only if it 
 MASK_NONE, MASK_CAUSAL, MASK_POSITIONS = 0, 1, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tab"])  # it varies with the batch: one compiled variant
 def _prefill_kernel(Q, K, V, O, LSE, Q_STARTS, Q_LENS, KV_LENS, TABLES, Q_POS, K_POS,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_lt, stride_lh, stride_tab, scale_log2,

@@ -63,6 +63,10 @@ def _splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device
     return choose_num_splits(num_seqs, num_kv_heads, max_len, _num_sms(device), block_n_for(device))
 
 
+ALIGN_ELEMENTS = 2
+"""int64 elements in 16 bytes, the alignment Triton specializes pointers on."""
+
+
 def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device | str) -> TritonMetadata:
     device = torch.device(device)
@@ -84,10 +88,16 @@ def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tabl
     parts = [slots, [row for row, _, _ in decodes], d_tables, [n for _, n, _ in decodes],
              [starts[i] for i in prefills], [query_lens[i] for i in prefills], [seq_lens[i] for i in prefills],
              p_tables]
-    flat = torch.tensor([x for p in parts for x in p], dtype=torch.long)
+    # Every part starts on 16 bytes: Triton specializes a kernel on its pointers' alignment, and
+    # parts at odd offsets compiled extra variants of the attention kernels mid-serving (0.6-1 s
+    # each, on an H200, paid by whichever request first met that alignment).
+    sizes = [len(p) for p in parts]
+    aligned = [-(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS for n in sizes]
+    flat = torch.tensor([x for p, n in zip(parts, aligned) for x in [*p, *[0] * (n - len(p))]], dtype=torch.long)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    (slot_mapping, d_rows, d_tab, d_lens, p_starts, p_qlens, p_slens, p_tab) = flat.split([len(p) for p in parts])
+    (slot_mapping, d_rows, d_tab, d_lens, p_starts, p_qlens, p_slens, p_tab) = (
+        part[:n] for part, n in zip(flat.split(aligned), sizes))
     return TritonMetadata(slot_mapping, starts,
                           d_rows, d_tab.view(len(decodes), d_width), d_lens,
                           max((n for _, n, _ in decodes), default=0),

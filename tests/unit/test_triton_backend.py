@@ -80,6 +80,11 @@ def test_triton_metadata_matches_the_torch_one():
     assert meta.prefill_query_lens.tolist() == [7] and meta.prefill_seq_lens.tolist() == [7]
     assert meta.prefill_block_tables.tolist() == [[0, 11]]
     assert meta.max_prefill_query_len == 7
+    # every part on 16 bytes (parts of odd lengths here): Triton compiles a variant of a kernel
+    # per alignment of its pointers, mid-serving
+    parts = [meta.slot_mapping, meta.decode_rows, meta.decode_block_tables, meta.decode_lens, meta.prefill_starts,
+             meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_tables]
+    assert all(t.data_ptr() % 16 == 0 for t in parts)
     only_decodes = build_triton_metadata([1, 1], [3, 4], [[1], [2]], 4, "cpu")
     assert only_decodes.prefill_starts.numel() == 0 and only_decodes.prefill_block_tables.shape == (0, 0)
 
