@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from meshserve.layers.host_memory import zeros_on_touch
+
 REPO = Path(__file__).resolve().parents[1]
 WAYS = ("4k", "huge", "torch.zeros")
 
@@ -37,10 +39,12 @@ def first_touch(way: str, nbytes: int) -> float:
     if way == "torch.zeros":
         cache = torch.zeros(nbytes // 4)
     else:
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if way == "huge":
+        if way == "4k":
+            cache = zeros_on_touch((nbytes // 4,), torch.float32)
+        else:
+            buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             buf.madvise(mmap.MADV_HUGEPAGE)
-        cache = torch.frombuffer(buf, dtype=torch.float32)
+            cache = torch.frombuffer(buf, dtype=torch.float32)
         cache.view(-1, 1024)[:, 0].fill_(0.0)
     seconds = time.perf_counter() - start
     assert cache.numel() == nbytes // 4

@@ -103,16 +103,17 @@ def medians(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict[str, dic
     return {n: {k: statistics.median(run[k] for run in each) for k in keys} for n, each in runs.items()}
 
 
-def bench(url: str, concurrency: int, args, out: Path, extra: list[str] = (), seed: int = 0) -> dict:
+def bench(url: str, concurrency: int, args, out: Path, extra: list[str] = (), seed: int = 0,
+          timeout: float | None = None) -> dict:
     """One `meshserve bench` run; `extra`: more of its flags (e.g. --temperature 1.0). Give each
     run on one server its own `seed`: the same seed sends the same prompts, which the server's
-    prefix cache then serves from the run before."""
+    prefix cache then serves from the run before. `timeout`: seconds before the run is killed."""
     num_prompts = max(args.min_prompts, args.prompts_per_slot * concurrency)
     cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--num-prompts", str(num_prompts),
            "--max-concurrency", str(concurrency), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--slo", f"ttft={SLO['ttft']:g},tpot={SLO['tpot']:g}",
            "--seed", str(seed), "--output", str(out), "--disable-tqdm", *extra]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=timeout)
     return json.loads(out.read_text())
 
 

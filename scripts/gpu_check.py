@@ -46,7 +46,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -218,7 +217,7 @@ def show(line: str) -> None:
 
 
 def section_correctness(args, roof) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
+    with_tests_support()
     from support.kernel_cases import run_kernel_checks
     from support.moe_kernel_cases import run_moe_checks
 
@@ -397,8 +396,14 @@ def model_paths(args) -> dict[str, Path]:
     return paths
 
 
+def with_tests_support() -> None:
+    """tests/support (kernel checks, checkpoints, the transformers oracle) importable."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+
+
 def smollm2_gguf() -> Path | None:
-    sys.path.insert(0, str(ROOT / "tests"))
+    with_tests_support()
     from support.checkpoints import smollm2_path
 
     return smollm2_path()
@@ -430,14 +435,10 @@ def random_checkpoint(directory: Path, shape: dict, tokenizer_dir: str | None) -
 
 
 def load_hf(path: Path):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of `path` (a directory or a GGUF file) on the GPU, in the engine's dtype."""
+    from support.reference import hf_model
 
-    dtype = getattr(torch, SETUP.model_dtype)
-    if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    return model.to(SETUP.device).eval()
+    return hf_model(path, getattr(torch, SETUP.model_dtype)).to(SETUP.device)
 
 
 def make_engine(path: Path, kernels: str, graphs: bool, max_seqs: int, max_len: int, max_tokens: int):
@@ -481,6 +482,7 @@ def section_hf_model(args, roof) -> dict:
     from meshserve.comm.messages import SamplingParams
     from meshserve.engine.offline import generate
 
+    with_tests_support()
     result: dict = {"models": {}, "failed": [], "errors": {}, "tolerance": HF_TOLERANCE}
     g = torch.Generator().manual_seed(1)
     kernels = SETUP.model_kernels[-1]
@@ -588,7 +590,8 @@ def section_model(args, roof) -> dict:
         if "torch" in greedy and "triton" in greedy:
             agree = [sum(1 for _ in _leading_equal(a, b)) for a, b in zip(greedy["torch"], greedy["triton"])]
             result.setdefault("greedy_leading_agreement", {})[model] = agree
-            show(f"  {model}: greedy tokens, torch vs triton: {agree} of {min(32, args.output_len)} leading tokens agree")
+            show(f"  {model}: greedy tokens, torch vs triton: {agree} of {min(32, args.output_len)} "
+                 "leading tokens agree")
     return result
 
 
@@ -616,9 +619,7 @@ def decode_run(engine, cost, prompts: list[list[int]], args, roof) -> dict:
 
 def section_serving(args, roof) -> dict:
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_http import Served
-
-    from meshserve.launcher.network import free_port
+    from bench_http import meshserve_server
 
     result: dict = {"rows": [], "skipped": [], "errors": {}}
     top = max(SETUP.serve_concurrency)
@@ -628,20 +629,18 @@ def section_serving(args, roof) -> dict:
         if out_of_time():
             result["skipped"].append(model)
             continue
-        cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={path}",
-               "--set", f"device.type={SETUP.device}", "--set", f"model.dtype={SETUP.model_dtype}",
-               "--set", "server.http=127.0.0.1:0", "--set", "server.model_name=m",
-               "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", "--set", f"scheduler.max_num_seqs={top}"]
         start = time.perf_counter()
-        served = Served(model, cmd, work / f"serve_{model}.log")
+        served = meshserve_server(model, [f"model.path={path}", f"device.type={SETUP.device}",
+                                          f"model.dtype={SETUP.model_dtype}", f"scheduler.max_num_seqs={top}"],
+                                  work / f"serve_{model}.log")
         try:
             url = served.wait_http(None, timeout=SETUP.serve_timeout)
             ready = time.perf_counter() - start
             show(f"  {model}: ready in {ready:.1f} s")
-            bench_client(url, top, top, args.output_len // 4, work / f"warmup_{model}.json", args)  # compiles, graphs
+            bench_client(url, top, 1, args.prompt_len, args.output_len // 4, work / f"warmup_{model}.json")  # compiles
             for c in SETUP.serve_concurrency:
                 before = server_counters(url)
-                r = bench_client(url, c, max(8, 2 * c), args.output_len, work / f"bench_{model}_c{c}.json", args)
+                r = bench_client(url, c, 2, args.prompt_len, args.output_len, work / f"bench_{model}_c{c}.json")
                 steps = server_counters(url) - before
                 row = {"model": model, "concurrency": c, "ready_s": ready} | r | steps.figures(r)
                 result["rows"].append(row)
@@ -658,6 +657,19 @@ def section_serving(args, roof) -> dict:
     return result
 
 
+def bench_client(url: str, concurrency: int, per_slot: int, input_len: int, output_len: int, out: Path) -> dict:
+    """`meshserve bench` (bench_http.bench), greedy: per_slot prompts per slot, at least 8 but
+    for a warm-up of one per slot."""
+    from bench_http import bench
+
+    sizes = argparse.Namespace(min_prompts=8 if per_slot > 1 else 1, prompts_per_slot=per_slot, input_len=input_len,
+                               output_len=output_len)
+    r = bench(url, concurrency, sizes, out, ["--temperature", "0", "--no-plots"], seed=concurrency,
+              timeout=SETUP.serve_timeout)
+    return {k: r[k] for k in ("completed", "num_prompts", "duration", "total_output_tokens", "output_throughput",
+                              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")}
+
+
 @dataclass(frozen=True)
 class StepCounters:
     """The server's engine-step counters (Prometheus), to split a run's wall time into steps
@@ -672,7 +684,8 @@ class StepCounters:
     def figures(self, bench: dict) -> dict:
         steps = max(self.steps, 1.0)
         return {"steps": int(self.steps), "mean_step_ms": self.seconds / steps * 1e3,
-                "engine_busy": self.seconds / bench["duration"], "tokens_per_step": bench["total_output_tokens"] / steps}
+                "engine_busy": self.seconds / bench["duration"],
+                "tokens_per_step": bench["total_output_tokens"] / steps}
 
 
 def server_counters(url: str) -> StepCounters:
@@ -681,18 +694,8 @@ def server_counters(url: str) -> StepCounters:
 
     values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
               for s in f.samples}
-    return StepCounters(values.get("meshserve_engine_steps_total", 0.0), values.get("meshserve_engine_step_seconds_total", 0.0))
-
-
-def bench_client(url: str, concurrency: int, prompts: int, output_len: int, out: Path, args) -> dict:
-    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--model", "m",
-           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--input-len", str(args.prompt_len),
-           "--output-len", str(output_len), "--temperature", "0", "--seed", str(concurrency), "--output", str(out),
-           "--disable-tqdm", "--no-plots"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=SETUP.serve_timeout)
-    r = json.loads(out.read_text())
-    return {k: r[k] for k in ("completed", "num_prompts", "duration", "total_output_tokens", "output_throughput",
-                              "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")}
+    return StepCounters(values.get("meshserve_engine_steps_total", 0.0),
+                        values.get("meshserve_engine_step_seconds_total", 0.0))
 
 
 def sync() -> None:

@@ -135,8 +135,9 @@ def main() -> None:
                  record_shapes=True) as prof:
         for _ in range(args.steps):
             engine.step()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / args.steps if cuda else None
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=15)
+    device_ms = sum(e.self_device_time_total for e in averages) / 1e3 / args.steps if cuda else None
     if args.trace:
         prof.export_chrome_trace(args.trace)
     shares = op_group_shares(prof)
@@ -150,7 +151,7 @@ def main() -> None:
           f"of the step; decode {args.batch * 1000 / per_step['step']:.0f} tok/s")
     print("self CPU time by op group: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()))
     if cuda:  # under the profiler, each step's kernels against the step
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+        print(averages.table(sort_by="self_device_time_total", row_limit=15))
         print(f"device (kernel) time per step {device_ms:.2f} ms of a {statistics.median(times) * 1000:.2f} ms step")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

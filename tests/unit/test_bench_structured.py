@@ -4,26 +4,15 @@ count the tokens the requests really produced."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_structured.py"
+from support.scripts import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling bench_http
-    try:
-        spec = importlib.util.spec_from_file_location("bench_structured", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with script_module("bench_structured") as module:
         yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
 
 
 def test_arms_sample_alike_and_run_to_max_tokens(bench):

@@ -4,29 +4,18 @@ FLOPs and its bytes; and the loader's log line says whether the weights were kep
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.perf import ModelCost
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_vs_vllm.py"
+from support.scripts import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling bench_http
-    try:
-        spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with script_module("bench_vs_vllm") as module:
         yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +60,4 @@ def test_kept_bf16_reads_the_loaders_line(bench, tmp_path):
     assert bench.kept_bf16(log)
     log.write_text("INFO meshserve: building the model: 30 layers of 30, float32\n")
     assert not bench.kept_bf16(log)
+

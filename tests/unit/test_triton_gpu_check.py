@@ -4,7 +4,6 @@ and every benchmark section run end to end at tiny sizes on CPU in Triton's inte
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,20 +15,16 @@ import torch
 
 from meshserve.layers.kernels import triton_available
 
+from support.scripts import script_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with script_module("gpu_check") as module:
         yield module
-    finally:
-        del sys.modules["gpu_check"]
 
 
 def run_script(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
