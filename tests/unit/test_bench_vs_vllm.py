@@ -61,3 +61,15 @@ def test_kept_bf16_reads_the_loaders_line(bench, tmp_path):
     log.write_text("INFO meshserve: building the model: 30 layers of 30, float32\n")
     assert not bench.kept_bf16(log)
 
+
+def test_vllm_gets_the_preloads_its_cpu_guide_asks_for(bench, tmp_path):
+    system, venv = tmp_path / "system", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    system.mkdir()
+    python = str(venv / "bin" / "python")
+    assert bench.vllm_preload(python, (str(system),)) == []
+    (system / "libtcmalloc_minimal.so.4").touch()
+    (venv / "lib" / "libiomp5.so").touch()
+    assert bench.vllm_preload(python, (str(tmp_path / "absent"), str(system))) == [
+        system / "libtcmalloc_minimal.so.4", venv / "lib" / "libiomp5.so"]
