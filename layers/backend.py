@@ -32,7 +32,7 @@ import torch
 from meshserve.comm.groups import AxisGroup
 from meshserve.layers import activation, attention, norm, rotary
 from meshserve.layers.kernels import cpu_attention, cpu_library, triton_available
-from meshserve.layers.matmul import dense_kernel_chosen
+from meshserve.layers.matmul import DENSE_ISAS, dense_kernel_chosen
 from meshserve.parallel import context_attention, ring_attention
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head
         matmul = MATMULS[quantization] + (BF16_INPUTS if dtype == torch.float32 and quantization != "w8a8" else "")
     elif dense_kernel_chosen(device, dtype):
         kept = " kept in bf16 (bf16 numbers, widened exactly)" if kept_in_bf16 and dtype == torch.float32 else ""
-        matmul = f"C++ AVX2 on {name} weights in panels{kept}"
+        matmul = f"C++ {DENSE_ISAS[cpu_library.selected_isa]} on {name} weights in panels{kept}"
     elif on_cpu and torch.backends.mkldnn.is_available() and (
             dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
         matmul = f"oneDNN packed {name}"

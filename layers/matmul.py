@@ -2,8 +2,9 @@
 weight-only quantized copy (meshserve.layers.quant, model.quantization), or by a copy
 packed once into oneDNN's blocked layout (on CPU, where the kernels otherwise
 re-layout the weight on every call), or, for bfloat16 on a CPU that cannot multiply it,
-by float32 products of many rows (WidenedCpuMatmul), or, on a CPU with AVX2 and no AVX-512,
-by meshserve's own product of the weight permuted into panels (DenseCpuMatmul). oneDNN's
+by float32 products of many rows (WidenedCpuMatmul), or, on a CPU with AVX2 or AVX-512, by
+meshserve's own product of the weight permuted into panels (DenseCpuMatmul; a bf16 weight on a
+CPU with bf16 dot products keeps oneDNN's). oneDNN's
 packing, measured here with SmolLM2's shapes on 2 cores: bf16 2x faster at decode sizes; float32 2.5-4x at 32 rows (1047 -> 275 us for the 576 x 3072
 gate/up; 22 -> 5 ms for the 49152-row head) and 3.5x for the head at one row, a few us
 slower for the smallest matrices at one row."""
@@ -15,6 +16,10 @@ import torch
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.quant import quantized_matmul
+
+
+DENSE_ISAS = {"avx512": "AVX-512", "avx2": "AVX2"}
+"""The builds of the C++ kernels with meshserve's product (cpu_dense_linear.cpp), by name."""
 
 
 class PackedCpuMatmul:
@@ -66,13 +71,15 @@ class WidenedCpuMatmul:
 
 
 class DenseCpuMatmul:
-    """meshserve's C++ product for the avx2 build (layers/kernels/cpu_dense_linear.cpp): the
-    float32 or bfloat16 weight permuted once into panels of 16 rows stored k-major (same
+    """meshserve's C++ product for the avx2 and avx512 builds (layers/kernels/cpu_dense_linear.cpp):
+    the float32 or bfloat16 weight permuted once into panels of 16 rows stored k-major (same
     shape: it replaces the weight; a float32 weight of bf16 numbers is kept in bf16, half the
-    bytes, see bf16_exact), multiplied as outer products of 16 weight
-    columns and up to 6 input rows in AVX2 registers, a bf16 weight widened there. On a
-    2-core EPYC (AVX2, no AVX-512) it streams SmolLM2's weights at one row ~2x faster than
-    oneDNN's packed float32 product and is ahead of it up to 512 rows. `rows(ids)` looks up
+    bytes, see bf16_exact), multiplied as outer products of 16 weight columns and up to 6 input
+    rows in AVX2 registers (32 columns and 12 rows in AVX-512's), a bf16 weight widened there.
+    On a 2-core EPYC (AVX2, no AVX-512) it streams SmolLM2's weights at one row ~2x faster
+    than oneDNN's packed float32 product and is ahead of it up to 512 rows; on a 2-core Ice Lake
+    Xeon (AVX-512, no AMX; scripts/bench_decode_products.py) 2.4x / 2.3x / 1.5x at 1 / 8 / 32
+    rows with the weights kept in bf16, 1.4x / 1.4x / 1.2x in float32. `rows(ids)` looks up
     rows of the weight (a tied embedding's table, which this copy replaces)."""
 
     def __init__(self, weight: torch.Tensor):
@@ -95,7 +102,7 @@ class DenseCpuMatmul:
 
 
 def kept_in_bf16(model: torch.nn.Module) -> tuple[int, int]:
-    """(how many of `model`'s AVX2 products keep a float32 weight in bf16, how many run)."""
+    """(how many of `model`'s C++ products keep a float32 weight in bf16, how many run)."""
     dense = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), DenseCpuMatmul)]
     return sum(d.weight.dtype != d.dtype for d in dense), len(dense)
 
@@ -117,10 +124,12 @@ def dense_kernel_helps(weight: torch.Tensor) -> bool:
 
 
 def dense_kernel_chosen(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """On the CPU with the avx2 build of meshserve's kernels selected (an AVX-512 CPU keeps
-    oneDNN, whose AVX-512 products are faster than 8-wide ones)."""
-    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and cpu_library.selected_isa == "avx2" and cpu_library.ops is not None)
+    """On the CPU with a vector build of meshserve's kernels selected (avx2, avx512), for float32,
+    and for bfloat16 where the CPU has no bf16 dot products (with AMX or AVX512-BF16 oneDNN's
+    bf16 product is the faster one)."""
+    if torch.device(device).type != "cpu" or cpu_library.ops is None or cpu_library.selected_isa not in DENSE_ISAS:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_features().bf16_compute)
 
 
 def widening_helps(weight: torch.Tensor) -> bool:
@@ -132,7 +141,7 @@ def prepared_matmul(weight: torch.Tensor, quantization: str = "none", act_dtype:
                     int8_activations: bool = False):
     """What a loaded weight is multiplied by from now on: a quantized copy (`quantization`
     int8 | int4, activations in `act_dtype`; `int8_activations`: see quantized_matmul), else
-    meshserve's AVX2 product, else a packed copy where packing helps, else None (the weight
+    meshserve's C++ product, else a packed copy where packing helps, else None (the weight
     as stored)."""
     prepared = quantized_matmul(weight, quantization, act_dtype or weight.dtype, int8_activations=int8_activations)
     if prepared is None and dense_kernel_helps(weight):

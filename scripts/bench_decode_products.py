@@ -5,8 +5,10 @@ layer's QKV, o, gate/up and down weights of SmolLM2's 30 layers and the tied 49,
 Each kernel's pass over all the weights is timed against a sum over the same weights (the
 rate at which this machine reads them, `torch.sum` one matrix at a time) and a read-bandwidth
 probe (the one decode MBU is taken against, engine.perf), all interleaved in one process,
-medians of --rounds. Kernels: meshserve's avx2 product (layers/kernels/cpu_dense_linear.cpp,
-the weights in its panels) on float32 and bf16 weights, and oneDNN's float32 `F.linear`.
+medians of --rounds. Kernels: meshserve's product (layers/kernels/cpu_dense_linear.cpp, the
+weights in its panels) in each vector build this CPU runs (avx512, avx2) on float32 and bf16
+weights, and oneDNN's float32 `F.linear`, on the weight as stored and packed once into its
+blocked layout (layers/matmul.py PackedCpuMatmul).
 
     python scripts/bench_decode_products.py [--rows 1 32] [--rounds 15] [--output FILE.json]
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from meshserve.engine.perf import measure_memory_bandwidth
 from meshserve.layers.kernels import cpu_library
+from meshserve.layers.matmul import PackedCpuMatmul
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD_SHAPE = (49152, 576)
@@ -35,20 +38,23 @@ def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
     return weights + [torch.randn(*HEAD_SHAPE).mul_(0.05).to(dtype)]
 
 
-def passes(rows: int, isa_ops) -> dict:
-    """name -> (fn() running one pass, bytes read)."""
+def passes(rows: int, builds: dict) -> dict:
+    """name -> (fn() running one pass, bytes read); `builds`: ISA -> its kernel library."""
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         weights = model_weights(dtype)
         inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         tag = str(dtype).removeprefix("torch.")
-        if isa_ops is not None:
-            panels = [isa_ops.pack_panels(w) for w in weights]
-            out[f"meshserve_{tag}"] = ((lambda ps=panels, xs=inputs: [isa_ops.dense_linear(xs[p.shape[1]], p)
-                                                                       for p in ps]), nbytes)
+        for isa, ops in builds.items():
+            panels = [ops.pack_panels(w) for w in weights]
+            out[f"meshserve_{isa}_{tag}"] = ((lambda ps=panels, xs=inputs, op=ops.dense_linear:
+                                              [op(xs[p.shape[1]], p) for p in ps]), nbytes)
         if dtype == torch.float32:
             out["onednn_float32"] = ((lambda ws=weights, xs=inputs: [F.linear(xs[w.shape[1]], w) for w in ws]), nbytes)
+            packed = [PackedCpuMatmul(w) for w in weights]
+            out["onednn_packed_float32"] = ((lambda ps=packed, xs=inputs: [p(xs[p.packed.shape[1]]) for p in ps]),
+                                            nbytes)
         out[f"sum_{tag}"] = ((lambda ws=weights: [w.sum() for w in ws]), nbytes)
     return out
 
@@ -62,10 +68,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    isa_ops = cpu_library.library("avx2") if "avx2" in cpu_library.runnable_isas() else None
+    builds = {isa: cpu_library.library(isa) for isa in ("avx512", "avx2") if isa in cpu_library.runnable_isas()}
     results = []
     for rows in args.rows:
-        kernels = passes(rows, isa_ops)
+        kernels = passes(rows, builds)
         times = {name: [] for name in kernels}
         probes = []
         for fn, _ in kernels.values():
@@ -85,7 +91,7 @@ def main() -> None:
                    "of_sum": sum_seconds / seconds, "of_probe": nbytes / seconds / probe,
                    "GFLOPs": 2 * rows * nbytes / (4 if "float32" in name else 2) / seconds / 1e9}
             results.append(row)
-            print(f"  {name:18s} {row['ms']:7.2f} ms  {row['GBps']:5.1f} GB/s  {100 * row['of_sum']:5.1f}% of the sum's "
+            print(f"  {name:24s} {row['ms']:7.2f} ms  {row['GBps']:5.1f} GB/s  {100 * row['of_sum']:5.1f}% of the sum's "
                   f"rate  {100 * row['of_probe']:5.1f}% of the probe  {row['GFLOPs']:6.1f} GFLOP/s", flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,9 @@ layers/llama.py, without the ~15 op calls a layer from Python around them (~6 ms
 SmolLM2 step at batch 1 on a 2-core EPYC).
 
 It takes the layers where each op is one of meshserve's C++ kernels: the Llama attention and
-MLP as they are (no QKV bias, no per-head norm, no experts), every product meshserve's AVX2
-product on a weight in its panels (layers/matmul.py DenseCpuMatmul: the avx2 build, float32 or
-bf16, no quantization), one tensor-parallel rank (no all-reduce between the layers), and a
+MLP as they are (no QKV bias, no per-head norm, no experts), every product meshserve's own
+on a weight in its panels (layers/matmul.py DenseCpuMatmul: the avx2 and avx512 builds, float32
+or bf16, no quantization), one tensor-parallel rank (no all-reduce between the layers), and a
 cache in the activations' dtype (an int8 cache's rows are quantized in the Python path).
 """
 

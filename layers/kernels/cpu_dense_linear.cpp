@@ -2,8 +2,9 @@
 // (pack_panels) and x [..., K] in float32 or bfloat16; y in x's dtype, summed in float32.
 // panel_rows(weight, ids): rows of a panel-ordered W, as an embedding looks them up.
 //
-// For CPUs with AVX2 + FMA and no AVX-512, where oneDNN's float32 products ran SmolLM2's
-// decode at ~16 GB/s of the ~25-35 GB/s a sum reads (2-core EPYC).
+// Written for CPUs with AVX2 + FMA and no AVX-512, where oneDNN's float32 products ran SmolLM2's
+// decode at ~16 GB/s of the ~25-35 GB/s a sum reads (2-core EPYC); the avx512 build has its
+// own tile (below), ahead of oneDNN's packed AVX-512 float32 product too.
 //
 // Panel order: W's first N / 16 * 16 rows as panels of 16 rows, each panel stored k-major
 // (row n, column k of panel p at p * 16 K + k * 16 + n - 16 p), then the last N % 16 rows as
@@ -20,9 +21,14 @@
 // faster (~27 -> ~30 GB/s), 8 rows ~30%, 32 rows ~15-20% (~100 -> ~120 GFLOP/s), 512 ~17%.
 // A bfloat16 weight is widened in registers (half the bytes read; no bf16 dot products needed).
 //
-// Threads split the panels (at::parallel_for; the last N % 16 rows are one more task).
-// Builds without AVX2 (scalar) run plain loops: correct, for tests; meshserve only chooses
-// this op in the avx2 build (layers/matmul.py).
+// The avx512 build's tile is two adjacent panels (32 outputs, two vectors) by up to 12 x rows:
+// 24 sums in registers, 14 loads per 24 FMAs. SmolLM2's products on a 2-core Ice Lake Xeon
+// (AVX-512, no AMX), weights kept in bf16: 1 / 8 / 32 rows 15 / 22 / 59 ms a pass against
+// oneDNN's packed float32 36 / 52 / 88 ms and this file's AVX2 tile 19 / 36 / 112 ms.
+//
+// Threads split the panels (at::parallel_for over tiles' panel groups; the panels left over
+// and the last N % 16 rows are more tasks). Builds without AVX2 (scalar) run plain loops:
+// correct, for tests; meshserve chooses this op in the avx2 and avx512 builds (layers/matmul.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,7 +49,6 @@ namespace {
 using namespace meshserve_cpu;
 
 constexpr int64_t kPanel = 16;
-constexpr int kMaxTileRows = 6;
 constexpr int64_t kChunkBytes = 256 * 1024;
 
 template <typename w_t>
@@ -51,11 +56,81 @@ inline float widen(w_t v) {
   return static_cast<float>(v);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+
+// Two adjacent panels a tile (32 outputs, two vectors) and up to 12 x rows: 24 sums, 2 weight
+// vectors and 1 broadcast of the 32 registers; 14 loads per 24 FMAs.
+constexpr int kMaxTileRows = 12;
+constexpr int kTilePanels = 2;
+
+// y[m * ldy + 16 p + j] = sum_k x[m * K + k] * panel_p[k * 16 + j] for m < MR, p < NP, j < 16,
+// panel p at panel + p * 16 K
+template <int MR, int NP, typename w_t>
+inline void panel_tile(const float* x, const w_t* panel, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  if constexpr (MR == 1) {  // a stream per panel: two k steps at a time in separate sums
+    __m512 odd[NP];
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) odd[p] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      const __m512 x0 = _mm512_set1_ps(x[k]), x1 = _mm512_set1_ps(x[k + 1]);
+#pragma GCC unroll 2
+      for (int p = 0; p < NP; ++p) {
+        const w_t* w = panel + p * kPanel * K + k * kPanel;
+        acc[0][p] = _mm512_fmadd_ps(load16(w), x0, acc[0][p]);
+        odd[p] = _mm512_fmadd_ps(load16(w + kPanel), x1, odd[p]);
+      }
+    }
+    if (k < K) {
+      const __m512 x0 = _mm512_set1_ps(x[k]);
+#pragma GCC unroll 2
+      for (int p = 0; p < NP; ++p) acc[0][p] = _mm512_fmadd_ps(load16(panel + p * kPanel * K + k * kPanel), x0, acc[0][p]);
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) acc[0][p] = _mm512_add_ps(acc[0][p], odd[p]);
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      __m512 w[NP];
+#pragma GCC unroll 2
+      for (int p = 0; p < NP; ++p) w[p] = load16(panel + p * kPanel * K + k * kPanel);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+#pragma GCC unroll 2
+        for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(w[p], xb, acc[m][p]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(y + m * ldy + p * kPanel, acc[m][p]);
+}
+
+template <typename w_t>
+inline float row_dot(const float* x, const w_t* w, int64_t K) {
+  __m512 a = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) a = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a);
+  float s = _mm512_reduce_add_ps(a);
+  for (; k < K; ++k) s += widen(w[k]) * x[k];
+  return s;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr int kMaxTileRows = 6;
+constexpr int kTilePanels = 1;
 
 // y[m * ldy + j] = sum_k x[m * K + k] * panel[k * 16 + j] for m < MR, j < 16
-template <int MR, typename w_t>
+template <int MR, int NP, typename w_t>
 inline void panel_tile(const float* x, const w_t* panel, int64_t K, float* y, int64_t ldy) {
+  static_assert(NP == 1, "the AVX2 tile is one panel wide");
   // NOTE: every loop over m is unrolled by pragma and the sums are stored before any runtime
   // loop: otherwise GCC keeps them on the stack and stores each one every k step (a tile
   // then runs at half speed).
@@ -109,13 +184,19 @@ inline float row_dot(const float* x, const w_t* w, int64_t K) {
 
 #else
 
-template <int MR, typename w_t>
+constexpr int kMaxTileRows = 6;
+constexpr int kTilePanels = 1;
+
+template <int MR, int NP, typename w_t>
 inline void panel_tile(const float* x, const w_t* panel, int64_t K, float* y, int64_t ldy) {
   for (int m = 0; m < MR; ++m) {
-    float sums[kPanel] = {};
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < kPanel; ++j) sums[j] += widen(panel[k * kPanel + j]) * x[m * K + k];
-    std::memcpy(y + m * ldy, sums, sizeof(sums));
+    for (int p = 0; p < NP; ++p) {
+      const w_t* w = panel + p * kPanel * K;
+      float sums[kPanel] = {};
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < kPanel; ++j) sums[j] += widen(w[k * kPanel + j]) * x[m * K + k];
+      std::memcpy(y + m * ldy + p * kPanel, sums, sizeof(sums));
+    }
   }
 }
 
@@ -128,38 +209,46 @@ inline float row_dot(const float* x, const w_t* w, int64_t K) {
 
 #endif
 
-// x rows [m0, m1) against panel q (its 16 outputs at column n = 16 q), in tiles of <= 6 rows
-template <typename w_t>
-void rows_by_panel(const float* x, const w_t* panel, float* y, int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n) {
-  int64_t m = m0;
-  for (; m + kMaxTileRows <= m1; m += kMaxTileRows) panel_tile<kMaxTileRows>(x + m * K, panel, K, y + m * N + n, N);
-  const float* xm = x + m * K;
-  float* ym = y + m * N + n;
-  switch (m1 - m) {
-    case 5: panel_tile<5>(xm, panel, K, ym, N); break;
-    case 4: panel_tile<4>(xm, panel, K, ym, N); break;
-    case 3: panel_tile<3>(xm, panel, K, ym, N); break;
-    case 2: panel_tile<2>(xm, panel, K, ym, N); break;
-    case 1: panel_tile<1>(xm, panel, K, ym, N); break;
-    default: break;
+// A tile of `rows` < MR x rows (the last of a chunk).
+template <int NP, int MR, typename w_t>
+inline void last_tile(int64_t rows, const float* x, const w_t* panel, int64_t K, float* y, int64_t ldy) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return panel_tile<MR, NP>(x, panel, K, y, ldy);
+    last_tile<NP, MR - 1>(rows, x, panel, K, y, ldy);
   }
 }
 
+// x rows [m0, m1) against NP panels from `panel` (their outputs from column n), in tiles of
+// <= kMaxTileRows rows
+template <int NP, typename w_t>
+void rows_by_panel(const float* x, const w_t* panel, float* y, int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n) {
+  int64_t m = m0;
+  for (; m + kMaxTileRows <= m1; m += kMaxTileRows)
+    panel_tile<kMaxTileRows, NP>(x + m * K, panel, K, y + m * N + n, N);
+  last_tile<NP, kMaxTileRows - 1>(m1 - m, x + m * K, panel, K, y + m * N + n, N);
+}
+
+// Tasks: the groups of kTilePanels panels, the panels left over, then the last N % 16 rows.
 template <typename w_t>
 void dense(const float* x, const w_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t panels = N / kPanel, tail = N % kPanel, tasks = panels + (tail > 0);
+  const int64_t panels = N / kPanel, groups = panels / kTilePanels, single = panels % kTilePanels;
+  const int64_t tail = N % kPanel, tasks = groups + single + (tail > 0);
   const int64_t chunk = std::max<int64_t>(kMaxTileRows, kChunkBytes / (4 * K) / kMaxTileRows * kMaxTileRows);
-  const int64_t grain = std::max<int64_t>(1, 16384 / (kPanel * K));
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kTilePanels * kPanel * K));
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t m1 = std::min(M, m0 + chunk);
       for (int64_t q = t0; q < t1; ++q) {
-        if (q < panels) {
-          rows_by_panel(x, w + q * kPanel * K, y, m0, m1, N, K, q * kPanel);
-          continue;
+        if (q < groups) {
+          const int64_t n = q * kTilePanels * kPanel;
+          rows_by_panel<kTilePanels>(x, w + n * K, y, m0, m1, N, K, n);
+        } else if (q < groups + single) {
+          const int64_t n = (groups * kTilePanels + q - groups) * kPanel;
+          rows_by_panel<1>(x, w + n * K, y, m0, m1, N, K, n);
+        } else {
+          for (int64_t n = panels * kPanel; n < N; ++n)
+            for (int64_t m = m0; m < m1; ++m) y[m * N + n] = row_dot(x + m * K, w + n * K, K);
         }
-        for (int64_t n = panels * kPanel; n < N; ++n)
-          for (int64_t m = m0; m < m1; ++m) y[m * N + n] = row_dot(x + m * K, w + n * K, K);
       }
     }
   });

@@ -133,10 +133,11 @@ def test_the_start_up_line_names_the_build_and_the_kernels(cpu_isa):
     line = kernel_summary(CpuBackend(), torch.float32, "none", 64)
     assert f"C++ paged decode ({cpu_isa} build)" in line and f"norm/act/rotary: C++ ({cpu_isa} build)" in line
     assert ("prefill C++ causal" in line) == (cpu_isa == "avx512")
-    if cpu_isa == "avx2":
-        assert line.startswith("matmul: C++ AVX2 on float32 weights in panels;")
+    if cpu_isa != "scalar":
+        isa = {"avx2": "AVX2", "avx512": "AVX-512"}[cpu_isa]
+        assert line.startswith(f"matmul: C++ {isa} on float32 weights in panels;")
         kept = kernel_summary(CpuBackend(), torch.float32, "none", 64, kept_in_bf16=True)
-        assert kept.startswith("matmul: C++ AVX2 on float32 weights in panels kept in bf16")
+        assert kept.startswith(f"matmul: C++ {isa} on float32 weights in panels kept in bf16")
     else:
         assert line.startswith("matmul: oneDNN packed float32" if torch.backends.mkldnn.is_available() else "matmul: torch")
     assert kernel_summary(TorchBackend(), torch.bfloat16, "int4", 64) == (

@@ -1,5 +1,5 @@
 """The decoder layers in one C++ call for eager decode steps (layers/kernels/cpu_decode_layers):
-taken in the avx2 build where every op is one of meshserve's kernels, it gives the tokens of
+taken in the avx2 and avx512 builds where every op is one of meshserve's kernels, it gives the tokens of
 the Python loop over the layers and of transformers, alone and batched, in float32 and
 bfloat16; a later pipeline stage's input (a residual given) gives the loop's hidden states and
 cache rows; models or caches it does not cover keep the Python loop."""
@@ -20,7 +20,9 @@ PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7]]
 NEW_TOKENS = [12, 20, 30]
 AVX2 = ("model.dtype=float32", "device.cpu_isa=avx2", "cache.block_size=4", "cache.prefix_caching=false")
 
-pytestmark = pytest.mark.skipif(not cpu_features().runs("avx2"), reason="the fused call is the avx2 build's")
+VECTOR_ISAS = [isa for isa in ("avx512", "avx2") if cpu_features().runs(isa)]
+
+pytestmark = pytest.mark.skipif(not VECTOR_ISAS, reason="the fused call is the vector builds'")
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +48,11 @@ def _tokens(engine, prompts=PROMPTS, new_tokens=NEW_TOKENS):
     return [c.token_ids for c in generate(engine, prompts, params)]
 
 
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoints, dtype):
+def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoints, dtype, isa):
     path = tiny_checkpoints["llama"]
-    engine = make_engine(path, *AVX2, f"model.dtype={dtype}")
+    engine = make_engine(path, *AVX2, f"model.dtype={dtype}", f"device.cpu_isa={isa}")
     model = engine.executor.runner.model.model
     assert model.fused_decode is not None
     counting = model.fused_decode.op = Counting(model.fused_decode.op)

@@ -92,15 +92,17 @@ def test_bf16_on_a_cpu_without_bf16_products_widens_many_rows_to_float32(monkeyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_dense_kernel_matches_torch_in_every_build(cpu_isa, dtype):
     """meshserve's product of a weight in panels (cpu_dense_linear.cpp), in each build this
-    CPU runs, against torch's: one row and every tile height (2-6 rows, more than a tile,
-    more than a chunk of rows), weights with and without rows past the last panel of 16, a K
+    CPU runs, against torch's: one row and every tile height (2-6 rows in AVX2's tile, 2-12 in
+    AVX-512's, more than a tile, more than a chunk of rows), weights with and without rows past
+    the last panel of 16 and with an odd count of panels (AVX-512's tile takes two), a K
     that is odd or not a multiple of 8, leading dimensions, and no rows at all; the panels'
     rows looked up are the weight's."""
     from meshserve.layers.kernels import cpu_library
 
     g = torch.Generator().manual_seed(1)
     for rows, n, k in [(1, 96, 64), (1, 13, 20), (1, 29, 37), (2, 29, 64), (3, 96, 37), (4, 96, 64), (5, 40, 9),
-                       (6, 16, 64), (7, 31, 576), (13, 50, 1536), (300, 50, 64), (0, 8, 16)]:
+                       (6, 16, 64), (7, 31, 576), (11, 80, 64), (12, 96, 64), (13, 50, 1536), (25, 80, 576),
+                       (300, 50, 64), (0, 8, 16)]:
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(rows, k, generator=g).to(dtype)
         panels = cpu_library.ops.pack_panels(w)
@@ -120,9 +122,9 @@ def test_the_dense_kernel_matches_torch_in_every_build(cpu_isa, dtype):
         cpu_library.ops.panel_rows(cpu_library.ops.pack_panels(w), torch.tensor([40]))
 
 
-def test_the_avx2_build_multiplies_weights_in_panels(cpu_isa):
-    """The layers take the dense kernel in the avx2 build only (an AVX-512 CPU keeps oneDNN),
-    keep one copy of the weight (the panels replace it; a tied embedding looks its rows up
+def test_the_vector_builds_multiply_weights_in_panels(cpu_isa):
+    """The layers take the dense kernel in the avx2 and avx512 builds (the scalar one keeps
+    oneDNN), keep one copy of the weight (the panels replace it; a tied embedding looks its rows up
     in the head's), and match torch's product and lookup."""
     from meshserve.layers import matmul
 
@@ -132,7 +134,7 @@ def test_the_avx2_build_multiplies_weights_in_panels(cpu_isa):
     col = ColumnParallelLinear(64, 96, tp, dtype=torch.float32)
     col.weight.weight_loader(col.weight, MemoryTensor(w))
     col.pack_weight()
-    assert isinstance(col.packed, matmul.DenseCpuMatmul) == (cpu_isa == "avx2")
+    assert isinstance(col.packed, matmul.DenseCpuMatmul) == (cpu_isa in matmul.DENSE_ISAS)
     for rows in (1, 5, 64):
         x = torch.randn(rows, 64, generator=g)
         torch.testing.assert_close(col(x), F.linear(x, w), **TOLERANCE[torch.float32])
@@ -141,7 +143,7 @@ def test_the_avx2_build_multiplies_weights_in_panels(cpu_isa):
     emb.weight.weight_loader(emb.weight, MemoryTensor(table))
     head = ParallelLMHead(50, 32, tp, torch.float32, tied_to=emb)
     head.pack_weight()
-    if cpu_isa == "avx2":
+    if cpu_isa in matmul.DENSE_ISAS:
         assert emb.weight.numel() == 0 and emb.weight.table is head.packed  # one copy, the head's
     h = torch.randn(3, 32, generator=g)
     torch.testing.assert_close(head(h), F.linear(h, table), **TOLERANCE[torch.float32])
@@ -150,7 +152,7 @@ def test_the_avx2_build_multiplies_weights_in_panels(cpu_isa):
 
 
 def test_a_float32_weight_of_bf16_numbers_is_kept_in_bf16(cpu_isa):
-    """In the avx2 build a float32 weight whose every element is a bf16 number (a bf16
+    """In the avx2 and avx512 builds a float32 weight whose every element is a bf16 number (a bf16
     checkpoint read in float32) is kept in bf16 panels: the products are the float32
     weight's (the widening is exact) at every tile height, in float32; the
     rows looked up are the weight's, in float32. A weight with one float32-only element stays
@@ -169,7 +171,7 @@ def test_a_float32_weight_of_bf16_numbers_is_kept_in_bf16(cpu_isa):
     col = ColumnParallelLinear(64, 96, AxisGroup.single("tp"), dtype=torch.float32)
     col.weight.weight_loader(col.weight, MemoryTensor(w))
     col.pack_weight()
-    if cpu_isa != "avx2":
+    if cpu_isa not in matmul.DENSE_ISAS:
         assert not isinstance(col.packed, matmul.DenseCpuMatmul)
         return
     assert col.packed.weight.dtype == torch.bfloat16 and col.packed.dtype == torch.float32
