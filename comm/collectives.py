@@ -43,18 +43,6 @@ def gather_from_tp(x: torch.Tensor, group: AxisGroup, dst: int = 0) -> torch.Ten
     return out
 
 
-def all_gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """All-gathers `x` over `group`, concatenated along the last dim, on every member."""
-    if group.size == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    started = group.timer.start()
-    dist.all_gather(parts, x, group=group.device_group)
-    group.timer.stop(started)
-    return torch.cat(parts, dim=-1)
-
-
 def send_to_next_stage(x: torch.Tensor, group: AxisGroup) -> list:
     """Sends `x` to the next pipeline stage (batched isend); returns the pending works,
     which must be waited on before `x` is reused or freed."""

@@ -23,8 +23,9 @@ MAX_PROMPT_TOKENS = 1 << 20
 """Token ids in one prompt (a frame's limit; the model's context is checked at admission)."""
 MAX_PROMPT_CHARS = 16 << 20
 
-# The bounds of a request's numbers, declared once: the msgspec types here use them, and so
-# do the HTTP request models (engine/serving/openai_protocol.py, through pydantic Fields).
+# The bounds of a request's numbers, declared and enforced once, by the types here: a ZMQ
+# frame is checked as it decodes, an HTTP request when its SamplingParams is built from it
+# (engine/serving/openai_protocol.py, which names the request's parameter in its 400).
 # Every count is below 2**31, so no plan built from a request can overflow an encoder or a kernel.
 COUNT = Meta(ge=0, le=INT32_MAX)
 MAX_TOKENS = Meta(ge=1, le=INT32_MAX)
@@ -44,6 +45,14 @@ MIN_P = Meta(ge=0.0, le=1.0)
 
 NonNegInt = Annotated[int, COUNT]
 TokenId = Annotated[int, COUNT]
+
+
+class ParamError(ValueError):
+    """A SamplingParams that breaks a bound its model sets (SamplingParams.check)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field, self.message = field, message
 
 
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -83,6 +92,21 @@ class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check(self, vocab_size: int) -> None:
+        """The bounds the Meta annotations cannot state, for a model of `vocab_size` tokens;
+        ParamError naming the first field that breaks one."""
+        if self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        if self.top_k > vocab_size:
+            raise ParamError("top_k", f"top_k={self.top_k} exceeds the vocabulary's {vocab_size} tokens")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ParamError("stop_token_ids", f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ParamError("logit_bias", f"logit_bias token ids {bad[:5]} are outside the vocabulary (size "
+                                           f"{vocab_size})")
 
 
 MAX_CONSTRAINT_CHARS = 64 << 10

@@ -1,9 +1,9 @@
 """All-reduce and gather through shared memory, for the CPU ranks of one node.
 
-gloo moves every all-reduce through loopback TCP and its own threads: ~1-2 ms per call
-on a small CPU, 60 calls per decode step for a 30-layer model. Ranks on one node can
-instead write their tensor to a shared segment, wait for the others, and read every
-slot: one barrier per call, a few microseconds when the ranks have a core each.
+gloo moves every all-reduce through loopback TCP and its own threads, which costs
+milliseconds per call on a small CPU, and a decode step makes two calls per layer. Ranks
+on one node can instead write their tensor to a shared segment, wait for the others, and
+read every slot: one barrier per call, microseconds when the ranks have a core each.
 
 Layout of the segment: two buffer sets (double buffering: a rank may start call k+1 while
 another still reads call k's set; it cannot reach call k+2 before everyone posted k+1,

@@ -21,10 +21,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshserve.configs.cache import CACHE_ROOT, file_key
+from meshserve.configs.artifact_cache import CACHE_ROOT, file_key
 from meshserve.configs.cpu_bind import rank_cores, thread_share
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.model_info import resolve_model_path
+from meshserve.configs.quantization import Quantization
 from meshserve.configs.schema import Config
 
 ADVICE_VERSION = "1"
@@ -36,18 +37,22 @@ class Candidate:
     """One candidate path: activations' dtype and the linear layers' quantization."""
 
     dtype: str
-    quantization: str
+    quantization: Quantization
+
+    def __post_init__(self):
+        object.__setattr__(self, "quantization", Quantization(self.quantization))  # "int4" given: the member
 
     @property
     def name(self) -> str:
-        return self.dtype if self.quantization == "none" else f"{self.dtype}+{self.quantization}"
+        return self.dtype if self.quantization is Quantization.NONE else f"{self.dtype}+{self.quantization}"
 
     def overrides(self) -> list[str]:
         return [f"model.dtype={self.dtype}", f"model.quantization={self.quantization}"]
 
 
-CANDIDATES = (Candidate("float32", "none"), Candidate("bfloat16", "none"), Candidate("float32", "int4"),
-              Candidate("bfloat16", "int4"), Candidate("bfloat16", "int8"), Candidate("bfloat16", "w8a8"))
+_Q = Quantization
+CANDIDATES = (Candidate("float32", _Q.NONE), Candidate("bfloat16", _Q.NONE), Candidate("float32", _Q.INT4),
+              Candidate("bfloat16", _Q.INT4), Candidate("bfloat16", _Q.INT8), Candidate("bfloat16", _Q.W8A8))
 """What `meshserve advise` measures (float32 + int8 is left out: its weight-only kernel
 widens every row to float32 and is slower than float32 itself on every CPU measured)."""
 
@@ -82,10 +87,10 @@ def read_advice(path: Path) -> dict | None:
 
 def rule_choice(device_type: str, cpu: CpuFeatures, target: str) -> Candidate:
     if device_type == "cuda":
-        return Candidate("bfloat16", "none")
+        return Candidate("bfloat16", Quantization.NONE)
     if target == "latency":
-        return Candidate("bfloat16", "int4")
-    return Candidate("bfloat16" if cpu.bf16_compute and cpu.known else "float32", "none")
+        return Candidate("bfloat16", Quantization.INT4)
+    return Candidate("bfloat16" if cpu.bf16_compute and cpu.known else "float32", Quantization.NONE)
 
 
 def choose_auto(config: Config, cpu: CpuFeatures | None = None, advice_file: Path | None = None
@@ -120,6 +125,6 @@ def _from_record(record: dict, target: str, wanted_dtype: str) -> tuple[Candidat
         return None, None
     best = max(rates, key=rates.get)
     dtype, _, quantization = best.partition("+")
-    return (Candidate(dtype, quantization or "none"),
+    return (Candidate(dtype, Quantization(quantization or "none")),
             f"measured by `meshserve advise` on this machine ({rates[best]:.1f} tok/s estimated, "
             f"{record['threads']} threads)")

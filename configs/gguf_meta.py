@@ -10,7 +10,7 @@ from typing import Any
 
 import gguf
 
-from meshserve.configs.cache import CACHE_ROOT, file_key, write_atomically
+from meshserve.configs.artifact_cache import CACHE_ROOT, file_key, write_atomically
 
 
 @lru_cache(maxsize=2)

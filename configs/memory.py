@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.quantization import Quantization
 from meshserve.configs.schema import Config
 from meshserve.configs.validate import resolved_max_model_len
 
@@ -15,12 +16,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT4_GROUP = 32
 
 
-def matmul_bytes_per_param(quantization: str, act_bytes: int) -> float:
+def matmul_bytes_per_param(quantization: Quantization, act_bytes: int) -> float:
     """Bytes a weight-only quantized matmul reads per weight: int4 codes plus a scale and
     a zero per group of 32, int8 codes (one scale per row, negligible), or the dtype's."""
-    if quantization == "int4":
+    quantization = Quantization(quantization)
+    if quantization is Quantization.INT4:
         return 0.5 + 2 * act_bytes / INT4_GROUP
-    if quantization in ("int8", "w8a8"):
+    if quantization in (Quantization.INT8, Quantization.W8A8):
         return 1.0
     return float(act_bytes)
 
@@ -38,12 +40,6 @@ def kv_row_bytes(head_dim: int, kv_dtype: str, act_bytes: int) -> int:
     """Bytes the cache keeps per token, KV head and K or V: head_dim values, or for
     cache.dtype=int8 head_dim codes and a float32 scale (meshserve.layers.kv_quant)."""
     return head_dim + 4 if kv_dtype == "int8" else head_dim * act_bytes
-
-
-def head_quantization(quantization: str) -> str:
-    """The LM head's quantization: int8 when the layers take int4 (as GGUF files keep
-    their output matrix at 8 bits), else the layers'."""
-    return "int8" if quantization == "int4" else quantization
 
 
 def local_num_kv_heads(num_key_value_heads: int, tp_size: int) -> int:
@@ -94,7 +90,7 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     max_model_len: int
-    quantization: str = "none"
+    quantization: Quantization = Quantization.NONE
     """Weight-only quantization of the linear layers (config model.quantization)."""
     kv_dtype: str = "auto"
     """config cache.dtype: `auto` (the cache holds `dtype`) or `int8`."""
@@ -106,9 +102,6 @@ class MemoryPlan:
     @property
     def kv_cache_tokens(self) -> int:
         return self.block_size * self.num_blocks
-
-    def as_dict(self) -> dict[str, int | str]:
-        return asdict(self) | {"kv_cache_bytes": self.kv_cache_bytes, "kv_cache_tokens": self.kv_cache_tokens}
 
 
 def _share(max_len: int, need: int, cp: int) -> str:
@@ -130,9 +123,9 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
     ends = embed * (1 if (pp > 1 or info.tie_word_embeddings) else 2)
     quantization = config.model.quantization
     # Quantized: the layers' matmuls shrink, and the head gets a quantized copy beside its weight.
-    head_copy = 0.0 if quantization == "none" else embed * matmul_bytes_per_param(head_quantization(quantization), nbytes)
+    head_copy = embed * matmul_bytes_per_param(quantization.head, nbytes) if quantization.quantized else 0.0
     held_per_param = matmul_bytes_per_param(quantization, nbytes)
-    if quantization == "int4":
+    if quantization is Quantization.INT4:
         held_per_param += int4_dense_copy_bytes_per_param(config.device.type)
     weight_bytes = int(most_layers * per_layer / tp * held_per_param + (ends + h) * nbytes + head_copy)
 

@@ -10,12 +10,26 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, StrictInt, StrictStr,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, StrictInt,
+                      StrictStr, field_validator, model_validator)
+
+from meshserve.configs.quantization import Quantization
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^/\s:\[\]]+)(:\d{1,5})?")
 """A web origin as a browser sends it in `Origin`: scheme://host[:port], no path."""
+
+
+def _parse_quantization(value: Any, auto: bool = False) -> Any:
+    """The config's string as a Quantization (with `auto`, that string stays), or one message
+    naming them."""
+    if isinstance(value, str) and not isinstance(value, Quantization) and not (auto and value == "auto"):
+        try:
+            return Quantization(value)
+        except ValueError:
+            names = [q.value for q in Quantization] + (["auto"] if auto else [])
+            raise ValueError(f"unknown quantization {value!r} ({', '.join(names)})") from None
+    return value
 
 
 class Section(BaseModel):
@@ -31,10 +45,11 @@ class ModelConfig(Section):
     """Tokenizer directory; by default the model's own (HF directory or GGUF file)."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; by default the model's context, capped at 8192."""
-    quantization: Literal["none", "int8", "int4", "w8a8", "auto"] = "none"
-    """Quantization of the linear layers, on CPU: `int4` (groups of 32 with a scale and min
-    each, GGUF's Q4_1 layout; the LM head then takes int8), `int8` (one scale per output
-    row): weight-only, activations stay in model.dtype (`auto` then means bfloat16), for one
+    quantization: Annotated[Quantization | Literal["auto"],
+                            BeforeValidator(lambda v: _parse_quantization(v, auto=True))] = Quantization.NONE
+    """Quantization of the linear layers (meshserve.configs.quantization), on CPU: `int4`
+    (groups of 32 with a scale and min each, GGUF's Q4_1 layout; the LM head then takes
+    int8), `int8` (one scale per output row): weight-only, activations stay in model.dtype (`auto` then means bfloat16), for one
     or a few streams. `w8a8`: int8 weights times activations quantized to 8 bits per row,
     smoothed (SmoothQuant) on a calibration prefill at load: for batches, which are compute
     bound. Weights are read at full precision and quantized at load. `auto`: the fastest path
@@ -177,7 +192,7 @@ class SpeculativeConfig(Section):
     with cheaper weights (`quantization`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """`draft`: the draft's dtype (auto as model.dtype's)."""
-    quantization: Literal["none", "int8", "int4", "w8a8"] = "none"
+    quantization: Annotated[Quantization, BeforeValidator(_parse_quantization)] = Quantization.NONE
     """`draft`: the draft's weight quantization (as model.quantization)."""
     draft_memory: ByteSize = ByteSize(256 << 20)
     """`draft`: the draft's KV cache, on the driver (a sequence it cannot hold gets no proposal)."""
@@ -417,7 +432,7 @@ class Config(Section):
     @property
     def torch_dtype_name(self) -> str:
         """The resolved dtype name (`auto` becomes float32 on CPU, bfloat16 on CUDA or with
-        model.quantization: the CPU int4/int8 kernels are 5-10x slower with float32 inputs)."""
+        model.quantization: the CPU int4/int8 kernels are far slower with float32 inputs)."""
         if self.model.dtype != "auto":
             return self.model.dtype
-        return "bfloat16" if self.device.type == "cuda" or self.model.quantization != "none" else "float32"
+        return "bfloat16" if self.device.type == "cuda" or self.model.quantization != Quantization.NONE else "float32"

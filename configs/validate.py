@@ -11,6 +11,7 @@ from meshserve.configs.cpu_bind import cpu_bind_problems
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.model_info import ModelInfo, read_model_info
+from meshserve.configs.quantization import Quantization
 from meshserve.configs.schema import CacheConfig, ClusterConfig, Config, ModelConfig, ParallelConfig, SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -153,24 +154,24 @@ def quantization_problems(config: Config, info: ModelInfo, cpu: CpuFeatures | No
     input on every tensor-parallel rank; w8a8 calibrates on whole models (no pipeline or
     context parallelism) and needs VNNI."""
     quantization, tp = config.model.quantization, config.parallel.tensor
-    if quantization == "none":
+    if quantization is Quantization.NONE:
         return []
     if config.device.type != "cpu":
         return [f"model.quantization={quantization} runs on CPU kernels; device.type={config.device.type} needs "
                 f"model.quantization=none"]
     cpu = cpu or cpu_features()
-    if quantization == "w8a8" and not cpu.vnni:
+    if quantization is Quantization.W8A8 and not cpu.vnni:
         # NOTE: without VNNI oneDNN's u8 x s8 product sums pairs in 16 bits (vpmaddubsw), which
-        # saturate on 8-bit activations, or runs a reference loop: wrong logits and ~1,700x
-        # slower than float32 at 128 rows, measured on an AVX2-only EPYC.
+        # saturate on 8-bit activations, or runs a reference loop: wrong logits, and orders of
+        # magnitude slower than float32.
         return [f"model.quantization=w8a8 multiplies through oneDNN's u8 x s8 kernel, which needs VNNI "
                 f"(AVX512-VNNI, AVX-VNNI or AMX); this CPU has {cpu.describe()}: use model.quantization=int8 "
                 f"or int4 for few streams, or none (float32) for batches"]
-    if quantization == "w8a8":
+    if quantization is Quantization.W8A8:
         spread = {"parallel.pipeline": config.parallel.pipeline, "parallel.context": config.parallel.context}
         return [f"model.quantization=w8a8 calibrates on one forward of the whole model on each rank, but {name} = "
                 f"{size}; use {name}=1 or model.quantization=int8" for name, size in spread.items() if size > 1]
-    if quantization != "int4":
+    if quantization is not Quantization.INT4:
         return []
     inputs = {"hidden_size": info.hidden_size,
               "num_attention_heads * head_dim / parallel.tensor": info.num_attention_heads * info.head_dim // tp,
@@ -198,10 +199,10 @@ def expert_problems(config: Config, info: ModelInfo) -> list[str]:
         problems.append(f"parallel.expert={p.expert} with parallel.context={p.context}: expert parallelism runs "
                         f"with tensor and pipeline parallelism only (set parallel.context=1)")
     quantization = config.model.quantization
-    if quantization == "w8a8":
+    if quantization is Quantization.W8A8:
         problems.append("model.quantization=w8a8 calibrates its smoothing on dense MLPs; the experts of "
                         f"{info.architecture} would go uncalibrated (use model.quantization=int8 or int4)")
-    elif quantization == "int4" and (moe.intermediate_size // p.tensor) % 32:
+    elif quantization is Quantization.INT4 and (moe.intermediate_size // p.tensor) % 32:
         problems.append(f"model.quantization=int4 quantizes groups of 32 inputs, but moe_intermediate_size / "
                         f"parallel.tensor = {moe.intermediate_size // p.tensor} is not a multiple of 32 "
                         f"(use model.quantization=int8)")

@@ -27,7 +27,7 @@ import torch
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs import ConfigError, load_config
 from meshserve.configs.auto_choice import ADVICE_VERSION, CANDIDATES, Candidate, advice_path, threads_per_rank
-from meshserve.configs.cache import write_atomically
+from meshserve.configs.artifact_cache import write_atomically
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.schema import Config

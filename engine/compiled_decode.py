@@ -3,8 +3,8 @@
 A decode step of one stream is some 40 small ops per layer between the matmuls, each a
 dispatch of a microsecond or more; inductor fuses them into a few loops per layer. The
 matmuls stay meshserve's own (oneDNN-packed, or the int4/int8 kernels), called from the
-graph; freezing folds what depends only on weights (measured on SmolLM2 with int4
-weights: 140 vs 127 tok/s unfrozen). Steps with prefill chunks stay eager: their shapes
+graph; freezing folds what depends only on weights (faster than unfrozen, measured with
+int4 weights). Steps with prefill chunks stay eager: their shapes
 vary more and their time is in the matmuls.
 
 Two graphs, compiled at start-up (by default in a thread of their own while decode steps
@@ -29,10 +29,9 @@ log = logging.getLogger(__name__)
 
 COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 """Inductor's options. cpp_wrapper: the graph's kernels are called from generated C++
-rather than from a Python wrapper, some 300 calls per step at one stream (measured on
-SmolLM2 int4: 158-168 vs 118 tok/s; at 32 sequences 39.0 vs 43.8 ms per step). The very
-first compile on a machine took 166 s for SmolLM2, later ones 33-38 s, as without it:
-inductor's on-disk cache keeps what it builds."""
+rather than from a Python wrapper, hundreds of calls per step at one stream: faster at one
+stream and at many. The very first compile on a machine takes several times longer than
+later ones, as without it: inductor's on-disk cache keeps what it builds."""
 
 WARM_UP_WIDTH = 3
 """Block-table width of the warm-up steps: above 1, and unlike the warm-up batch of 2, so
@@ -49,8 +48,11 @@ def _mark_dynamic(input_ids, positions, meta: PagedMetadata, batch_dynamic: bool
 
 
 class CompiledDecode:
-    def __init__(self, model):
+    def __init__(self, model, eager=None):
+        """`eager`: what runs a step whose shapes fit no compiled graph (default the model's
+        forward; engine/decode_path.py passes its eager forward)."""
         self.model = model
+        self.eager = eager or model
         self._compiled = torch.compile(model.forward, options=COMPILE_OPTIONS)
         self.steps = 0
         """Steps run through the compiled graphs."""
@@ -75,7 +77,7 @@ class CompiledDecode:
             self.eager_steps += 1
             if self.eager_steps == 1:
                 log.warning("a decode step's shapes fit no compiled graph; running such steps eagerly (%s)", e)
-            return self.model(input_ids, positions, kv_caches, meta, hidden, residual)
+            return self.eager(input_ids, positions, kv_caches, meta, hidden, residual)
         self.steps += 1
         return out
 

@@ -106,9 +106,12 @@ class DecodeGraphs:
     tensor-parallel group: the collectives inside (NCCL all-reduces) are captured with it."""
 
     def __init__(self, model, kv_caches, block_size: int, max_model_len: int, scratch_block: int, max_batch: int,
-                 device: torch.device, make_capture: Callable[[], Capture] | None = None):
-        """`scratch_block`: a KV block no sequence owns (the padding rows write there)."""
+                 device: torch.device, make_capture: Callable[[], Capture] | None = None, forward=None):
+        """`scratch_block`: a KV block no sequence owns (the padding rows write there).
+        `forward`: what is captured (default the model's forward; engine/decode_path.py
+        passes its eager forward)."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.forward = forward or model
         self.width = -(-max_model_len // block_size)
         self.max_model_len, self.scratch_block, self.device = max_model_len, scratch_block, device
         self.buckets = batch_buckets(max_batch)
@@ -148,7 +151,7 @@ class DecodeGraphs:
         log.info("captured decode graphs for batch sizes %s in %.1f s", self.buckets, self.capture_seconds)
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
-        hidden, _ = self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
+        hidden, _ = self.forward(bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
         return hidden
 
     def fits(self, query_lens: list[int]) -> bool:

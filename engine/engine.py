@@ -19,7 +19,7 @@ from meshserve.configs.schema import SchedulerConfig
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.executor import Executor
 from meshserve.engine.handoff import Handoffs
-from meshserve.engine.output import OutputProcessor, RequestState
+from meshserve.engine.output_processor import OutputProcessor, RequestState
 from meshserve.engine.plan import PlanBuilder
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler
 from meshserve.engine.sequence import Sequence
@@ -62,7 +62,7 @@ class EngineObserver(Protocol):
         """`seq` verified `drafted` proposed tokens in a step and kept `accepted` of them."""
 
     def on_idle(self) -> None:
-        """The step loop woke with no work (about every 50 ms while idle)."""
+        """The step loop woke with no work (it wakes at its idle poll interval while idle)."""
 
 
 @dataclass

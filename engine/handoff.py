@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshserve.comm.messages import KvHandoff, KvOps, KvReserved, KvTransfer, TokenLogprob
+from meshserve.configs.roles import ReplicaRole
 from meshserve.engine.admission import RequestError
 from meshserve.engine.sequence import Sequence
 
@@ -28,8 +29,8 @@ class Landing:
 
 
 class Handoffs:
-    def __init__(self, role: str | None, block_size: int):
-        """`role`: this replica's ("prefill" or "decode"), None where there is no disaggregation."""
+    def __init__(self, role: ReplicaRole | None, block_size: int):
+        """`role`: this replica's, None where there is no disaggregation."""
         self.role, self.block_size = role, block_size
         self._ops = KvOps([], [], [], [])
         self.landing: dict[int, Landing] = {}
@@ -55,7 +56,7 @@ class Handoffs:
     def reserved(self, seq: Sequence, request_id: str) -> KvReserved:
         """A decode sequence's blocks were reserved: its ranks post the receives."""
         first = seq.num_computed // self.block_size
-        handoff = seq.handoff = KvHandoff(seq.handoff.transfer, seq.handoff.peer, "decode", first)
+        handoff = seq.handoff = KvHandoff(seq.handoff.transfer, seq.handoff.peer, ReplicaRole.DECODE, first)
         transfer = self._transfer(handoff, seq.prompt_len,
                                   block_ids=seq.block_ids[first:-(-seq.prompt_len // self.block_size)])
         self._ops.receive.append(transfer)
@@ -83,14 +84,14 @@ class Handoffs:
         transfer = self._open.pop(seq.handoff.transfer, None)
         if transfer is not None:
             self._ops.end.append(transfer)
-        elif seq.handoff.role == "prefill":  # ended before a plan carried it: the ranks never heard of it
+        elif seq.handoff.role == ReplicaRole.PREFILL:  # ended before a plan carried it: the ranks never heard of it
             self.refused(seq.handoff, seq.prompt_len)
         self.landing.pop(seq.handoff.transfer, None)
 
     def refused(self, handoff: KvHandoff | None, prompt_len: int) -> None:
         """A prefill request refused, or ended before any plan carried it: its ranks still
         send the decode replica's ranks what they wait for (zeros)."""
-        if handoff is not None and handoff.role == "prefill" and self.role == "prefill":
+        if handoff is not None and handoff.role == ReplicaRole.PREFILL and self.role == ReplicaRole.PREFILL:
             self._ops.end.append(self._transfer(handoff, prompt_len, seq_id=-1))
 
     def pending(self) -> bool:

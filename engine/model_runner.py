@@ -6,7 +6,6 @@ sampling rank) sample.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -16,8 +15,7 @@ from meshserve.comm.collectives import recv_from_prev_stage, reduce_from_tp
 from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult, TokenLogprob, TokenMasks
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
-from meshserve.engine.compiled_decode import CompiledDecode
-from meshserve.engine.decode_graphs import DecodeGraphs
+from meshserve.engine.decode_path import DecodePath
 from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.speculative.verify import accept
@@ -25,6 +23,7 @@ from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
 from meshserve.layers import prompt_logprobs
 from meshserve.layers.host_memory import zeros_on_touch
+from meshserve.layers.kernels import cpu_library
 from meshserve.layers.loader import build_model
 from meshserve.layers.moe import FusedMoE
 from meshserve.layers.prompt_logprobs import PromptSpan
@@ -98,7 +97,7 @@ class ModelRunner:
                  decode_graphs: int = 0, compile_in_background: bool = False):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
-        steps through torch.compile (engine/compiled_decode.py), compiled here.
+        steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses).
         `calibration`: token ids w8a8 calibrates on (engine/calibration.py). `cpu_isa`: the
         build of the C++ CPU kernels (device.cpu_isa: auto | avx512 | avx2 | scalar).
         `expert_exchange`: parallel.expert_exchange (layers.moe). `decode_graphs`: the
@@ -112,12 +111,16 @@ class ModelRunner:
         counts = layer_counts or [info.num_hidden_layers]
         if len(counts) != groups.pp.size:
             raise ValueError(f"{len(counts)} stage layer counts for {groups.pp.size} pipeline stages")
+        # The C++ CPU kernels (None off the CPU or without a compiler), loaded once and passed to
+        # what calls them: the cpu backend, the products, the sampler.
+        library = cpu_library.load(cpu_isa) if self.device.type == "cpu" else None
         self.model = build_model(info, groups.tp, self.dtype, device=self.device, max_position=memory.max_model_len,
                                  layer_range=stage_layer_range(counts, groups.pp.rank),
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
                                  show_progress=show_progress, cp=groups.cp,
-                                 backend=select_backend(kernels, self.device, cpu_isa), quantization=memory.quantization,
-                                 calibration=calibration, ep=groups.ep, expert_exchange=expert_exchange)
+                                 backend=select_backend(kernels, self.device, library), library=library,
+                                 quantization=memory.quantization, calibration=calibration, ep=groups.ep,
+                                 expert_exchange=expert_exchange)
         self.sender = StageSender(groups.pp)
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -129,43 +132,19 @@ class ModelRunner:
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
         self.kv_caches = [(zeros_on_touch(shape, cache_dtype, self.device),
                            zeros_on_touch(shape, cache_dtype, self.device)) for _ in model.layers]
-        self.compiled = None
-        """The compiled decode step once it is ready (decode steps run eagerly until then)."""
-        self.compile_thread = None
-        if compile_decode:
-            compiled = CompiledDecode(self.model)
-            warm_up = (self.model.backend, self.kv_caches, memory.block_size, memory.num_blocks, self.device)
-            if compile_in_background:
-                self.compile_thread = threading.Thread(target=self._compile, args=(compiled, warm_up),
-                                                       name="meshserve-compile", daemon=True)
-                self.compile_thread.start()
-            else:
-                compiled.warm_up(*warm_up)
-                self.compiled = compiled
+        self.decode = DecodePath(self.model, self.kv_caches, memory.block_size, memory.num_blocks,
+                                 memory.max_model_len, self.device, compile_decode=compile_decode,
+                                 compile_in_background=compile_in_background, decode_graphs=decode_graphs)
+        """What runs each step's forward (graphs, compiled, fused C++ layers or eager)."""
         self._moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         """Read for each RankStats (every STATS_INTERVAL_S on a follower): found once."""
-        self.graphs = None
-        if decode_graphs:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, memory.block_size, memory.max_model_len,
-                                       memory.num_blocks, decode_graphs, self.device)
-            self.graphs.capture_all()
-        self.sampler = Sampler(info.eos_token_ids, sampler_seed) if groups.is_sampler else None
+        self.sampler = Sampler(info.eos_token_ids, sampler_seed, library) if groups.is_sampler else None
         self.mirror = SequenceMirror(groups.cp.rank, groups.cp.size, memory.block_size)
         self.stats = RunnerStats()
         self.ready_rss_bytes = resident_memory()[0]
         self.kv: KvAgent | None = None
         """Disaggregated prefill/decode: this rank's KV transfers (engine/kv_agent.py)."""
 
-
-    def _compile(self, compiled: CompiledDecode, warm_up: tuple) -> None:
-        """The background compile: decode steps switch to the graphs once they are ready; a
-        failure leaves them eager (and says why)."""
-        try:
-            compiled.warm_up(*warm_up)
-        except Exception:  # noqa: BLE001 - any compiler failure: serving goes on eagerly
-            log.exception("compiling the decode step failed; decode steps stay eager")
-            return
-        self.compiled = compiled
     def take_landed(self) -> dict[int, bool]:
         """Whether each transfer the last plan landed arrived whole (KvAgent)."""
         return self.kv.take_landed() if self.kv is not None else {}
@@ -196,7 +175,7 @@ class ModelRunner:
                 self._add_sample(inputs, len(ids) - 1 - len(c.draft), c.seq_id, c.seq, c.draft)
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
-        if self.graphs is not None and not inputs.prompt_spans and self.graphs.fits(query_lens):
+        if not inputs.prompt_spans and self.decode.replays(query_lens):
             inputs.graph_step = (ids, positions, seq_lens, block_tables)
             return inputs
         inputs.meta = self.model.backend.build_metadata(query_lens, seq_lens, block_tables, self.memory.block_size,
@@ -330,20 +309,12 @@ class ModelRunner:
             received = recv_from_prev_stage((len(inputs.input_ids), self.info.hidden_size), self.dtype,
                                             self.device, pp)
         sending = self.kv is not None and self.kv.due(batch)
-        forward = self.model
-        if self.compiled is not None and not sending and inputs.meta is not None and self.compiled.applies(inputs.meta):
-            forward = self.compiled
-        if sending:
-            self.model.model.layer_hook = self.kv.after_layer
         try:
-            if inputs.graph_step is not None:  # (no KV transfer with graphs: engine.build.uses_decode_graphs)
-                hidden, residual = self.graphs.run(*inputs.graph_step), None
-            else:
-                hidden, residual = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                           hidden=received)
+            hidden, residual = self.decode.run(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                               received, inputs.graph_step,
+                                               after_layer=self.kv.after_layer if sending else None)
         finally:
             if sending:
-                self.model.model.layer_hook = None
                 self.kv.after_step()
         if not pp.is_last:
             # NOTE: the next stage's first layer adds hidden and residual before its norm; sending

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.configs.memory import head_quantization, kv_row_bytes, matmul_bytes_per_param
+from meshserve.configs.memory import kv_row_bytes, matmul_bytes_per_param
 from meshserve.configs.model_info import ModelInfo
-from meshserve.layers.matmul import DenseCpuMatmul, PackedCpuMatmul, packing_helps, prepared_matmul
+from meshserve.configs.quantization import Quantization
+from meshserve.layers.kernels.cpu_library import CpuLibrary
+from meshserve.layers.matmul import PackedCpuMatmul
+from meshserve.layers.matmul_plan import DensePanels, onednn_packs, plan_matmuls
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -38,22 +41,24 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: 
 
 
 def measure_matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str = "cpu",
-                        quantization: str = "none") -> float:
-    """FLOP/s of an n x n x n matmul in `dtype`: on CPU, of the multiply the model's linears
-    run for this dtype and `quantization`
-    (layers/matmul.py prepared_matmul: oneDNN's packed product, bf16 widened to float32 on a
-    CPU without bf16 dot products, the quantized kernels; torch.mm where none applies), so MFU
-    is against the kernels the config runs and not a dtype the CPU cannot compute fast."""
+                        quantization: Quantization = Quantization.NONE, library: CpuLibrary | None = None) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype`: on CPU, of the product the model's linears
+    run for this dtype, `quantization` and `library` (the C++ kernels the model calls; the
+    kernel of layers.matmul_plan: meshserve's panels, oneDNN's packed product, bf16 widened
+    to float32 on a CPU without bf16 dot products, the quantized kernels; torch.mm where
+    none applies), so MFU is against the kernels the config runs and not a dtype the CPU
+    cannot compute fast."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    prepared = prepared_matmul(b.t().contiguous(), quantization, dtype) if device == "cpu" else None
+    kernel = plan_matmuls(device, dtype, quantization, library).linear if device == "cpu" else None
+    prepared = kernel.product(b.t().contiguous()) if kernel is not None else None
     if prepared is not None:
-        # NOTE: not torch.mm as well: in bf16 on a CPU without bf16 dot products it runs at
-        # ~1 GFLOP/s, and timing it alone cost 12 s of every bf16 start on an AVX2 EPYC
+        # NOTE: not torch.mm as well: in bf16 on a CPU without bf16 dot products it is so slow
+        # that timing it alone would lengthen every bf16 start by seconds
         best = _best_of(lambda: prepared(a), repeats)
-        if isinstance(prepared, DenseCpuMatmul) and packing_helps(b):
-            # the AVX2 kernel is tuned to decoders' widths (K <= ~1.5K): at n = 2048 oneDNN's
-            # packed product is the machine's peak (127 vs 155 GFLOP/s on a 2-core EPYC)
+        if isinstance(kernel, DensePanels) and onednn_packs(dtype):
+            # meshserve's kernel is tuned to decoders' widths: at this n oneDNN's packed
+            # product is the machine's peak
             packed = PackedCpuMatmul(b.t().contiguous())
             best = min(best, _best_of(lambda: packed(a), repeats))
         return 2 * n ** 3 / best
@@ -72,8 +77,8 @@ class ModelCost:
 
     info: ModelInfo
     dtype_bytes: int
-    quantization: str = "none"
-    """Weight-only quantization of the linear layers (configs.memory.head_quantization for the head)."""
+    quantization: Quantization = Quantization.NONE
+    """Weight-only quantization of the linear layers (Quantization.head for the head)."""
     kv_dtype: str = "auto"
     """config cache.dtype (auto: the activations' dtype, or int8)."""
     weight_dtype_bytes: int | None = None
@@ -98,7 +103,7 @@ class ModelCost:
         layers = i.num_hidden_layers * i.active_layer_parameters + i.hidden_size  # and the final norm
         stored = self.weight_dtype_bytes or self.dtype_bytes
         return int(layers * matmul_bytes_per_param(self.quantization, stored)
-                   + head * matmul_bytes_per_param(head_quantization(self.quantization), stored))
+                   + head * matmul_bytes_per_param(Quantization(self.quantization).head, stored))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -9,7 +9,7 @@ the same prefix, computed by the same kind of cache, for requests with the same 
 one can stand for the other. SHA-256, as vLLM offers: a collision would hand one request
 another's K/V (wrong output at best, another tenant's prompt leaking into it at worst), so
 the hash must not collide in practice even for prompts chosen to make it collide; Python's
-hash() is 64 bits and not collision-resistant. At ~1 µs per block it costs far less than
+hash() is 64 bits and not collision-resistant. Hashing a block's ids costs far less than
 computing the block. The hashes never leave the driver's process.
 """
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from meshserve.configs.roles import ReplicaRole
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.sequence import Sequence, SeqStatus
 
@@ -93,7 +94,7 @@ class Scheduler:
         while (not batch.preempted and self.waiting and budget > 0 and len(batch) < cap
                and len(self.running) + len(self.receiving) < self.max_num_seqs):
             seq = self.waiting[0]
-            if seq.handoff is not None and seq.handoff.role == "decode" and seq.num_preemptions == 0:
+            if seq.handoff is not None and seq.handoff.role == ReplicaRole.DECODE and seq.num_preemptions == 0:
                 if not self._reserve(seq):
                     break
                 batch.reserved.append(seq)

@@ -13,15 +13,15 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from meshserve.configs.cache import CACHE_ROOT, file_key
+from meshserve.configs.artifact_cache import CACHE_ROOT, file_key
 from meshserve.configs.model_info import ModelInfo
 
 
 def load_tokenizer(source: Path, cache_root: Path | None = CACHE_ROOT):
     """A Hugging Face tokenizer from a directory, or from a GGUF file. transformers converts
-    a GGUF's tokenizer in ~9 s (it parses the file's vocabulary again); the converted
+    a GGUF's tokenizer slowly (it parses the file's vocabulary again); the converted
     tokenizer is saved under `cache_root` (None: not cached) and a later start loads that
-    in under a second."""
+    instead, much faster."""
     from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
 
     if not source.is_file():

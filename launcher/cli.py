@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
         if args.command != "serve":
             raise ConfigError(f"parallel.data={config.parallel.data}: `meshserve {args.command}` runs one replica "
                               f"(set parallel.data=1); `meshserve serve` starts several behind one front door")
-        from meshserve.launcher.front_door import serve_replicas
+        from meshserve.launcher.serve_replicas import serve_replicas
 
         if args.api_key is not None:
             export_api_key(args.api_key)

@@ -7,7 +7,7 @@ elastic (`meshserve serve`, torchrun) every rank has an error file (TORCHELASTIC
 that the agent reads when the rank fails; the rank writes its reason there, in the format
 the agent reads (a string message and a timestamp), marked as meshserve's:
 
-    meshserve: rank 1 sent no heartbeat for 4 s (reported by rank 0, which then exited: exit code 1); ...
+    meshserve: rank 1 sent no heartbeat for <cluster.failure_timeout> s (reported by rank 0, which then exited: exit code 1); ...
 """
 
 from __future__ import annotations

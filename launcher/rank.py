@@ -210,12 +210,8 @@ def _follow(config, info, memory, env, groups) -> None:
 
 def _say_kernels(config: Config, env: RankEnv, runner: ModelRunner) -> None:
     cpu = f"CPU: {cpu_features().describe()}; " if config.device.type == "cpu" else ""
-    kept, dense = runner.model.kept_in_bf16
-    log.info("rank %d: %s%s%s%s", env.global_rank, cpu,
-             kernel_summary(runner.model.backend, runner.dtype, runner.memory.quantization, runner.info.head_dim,
-                            runner.device, kept_in_bf16=0 < kept == dense),
-             "; eager decode steps: the layers in one C++ call" if runner.model.model.fused_decode is not None else "",
-             "; decode compiled" if runner.compiled is not None else "")
+    log.info("rank %d: %s%s; %s", env.global_rank, cpu,
+             kernel_summary(runner.model.backend, runner.model.matmuls, runner.info.head_dim), runner.decode.describe())
 
 
 def _model_line(config: Config, info: ModelInfo, groups: Groups) -> str:

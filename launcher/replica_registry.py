@@ -17,8 +17,6 @@ from torch.distributed import TCPStore
 
 from meshserve.configs.schema import Config
 
-POLL_TIMEOUT_S = 5.0
-
 
 class ReplicaRegistry:
     def __init__(self, config: Config, host: bool):

@@ -8,10 +8,10 @@ what it reads:
 - `TorchBackend`: plain torch ops (SDPA, CPU flash attention with LSE), its metadata
   `layers.attention.AttentionMetadata`: the reference every other backend is tested
   against, and the default on CPU without a C++ compiler. No C++ inside.
-- `CpuBackend` (meshserve.layers.kernels.cpu_backend): the torch backend with
+- `CpuBackend` (meshserve.layers.cpu_backend): the torch backend with
   meshserve's C++ kernels where they are faster; its metadata `CpuMetadata`. The default
-  on CPU when the kernels build.
-- `TritonBackend` (meshserve.layers.kernels.triton_backend): meshserve's Triton kernels,
+  on CPU when the kernels build. It holds the loaded build it calls (`library`).
+- `TritonBackend` (meshserve.layers.triton_backend): meshserve's Triton kernels,
   its metadata `TritonMetadata`; the default on CUDA when triton is installed
   (`pip install 'meshserve[gpu]'`).
 - `ContextParallelBackend`: any of those with a context-parallel group: its metadata is
@@ -19,7 +19,8 @@ what it reads:
   computed with the wrapped backend's LSE attentions.
 
 `select_backend` maps the config's `device.kernels` (auto | torch | triton | cpu) to a
-backend.
+backend. `kernel_summary` is the start-up line: what the chosen backend and the model's
+matmul plan (layers.matmul_plan) say about themselves.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import torch
 
 from meshserve.comm.groups import AxisGroup
 from meshserve.layers import activation, attention, norm, rotary
-from meshserve.layers.kernels import cpu_attention, cpu_library, triton_available
-from meshserve.layers.matmul import DENSE_ISAS, dense_kernel_chosen
+from meshserve.layers.kernels import triton_available
+from meshserve.layers.kernels.cpu_library import CpuLibrary
+from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.parallel import context_attention, ring_attention
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class Backend:
     for a query that sees no key (its out is 0)."""
 
     name = "base"
+    library: CpuLibrary | None = None
+    """The loaded C++ CPU kernels this backend calls (the cpu backend's); None for the others."""
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                        block_size: int, device: torch.device | str = "cpu") -> StepMetadata:
@@ -132,7 +136,7 @@ class ContextParallelBackend(Backend):
         self.inner, self.cp = inner, cp
         self.name = inner.name
         self.rms_norm, self.rotary, self.silu_and_mul = inner.rms_norm, inner.rotary, inner.silu_and_mul
-        self.fused_moe = inner.fused_moe
+        self.fused_moe, self.library = inner.fused_moe, inner.library
 
     def attention(self, q, k, v, kv_cache, meta: context_attention.ContextParallelMetadata, scale: float):
         return context_attention.cp_attention(q, k, v, kv_cache, meta, self.cp, scale, self.inner)
@@ -141,17 +145,15 @@ class ContextParallelBackend(Backend):
         return self.inner.summary(head_dim)
 
 
-def resolve_backend_name(name: str, device: torch.device | str, cpu_isa: str = "auto") -> str:
+def resolve_backend_name(name: str, device: torch.device | str, library: CpuLibrary | None = None) -> str:
     """`auto`: triton on CUDA when it is installed, else torch; cpu on the CPU when its
-    C++ kernels build (the `cpu_isa` build of them: config device.cpu_isa), else torch."""
+    C++ kernels built (`library`, cpu_library.load of config device.cpu_isa), else torch."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown kernel backend {name!r} (auto, {', '.join(BACKENDS)})")
-    if torch.device(device).type == "cpu" and (cpu_isa != "auto" or cpu_library.selected_isa is None):
-        cpu_library.select(cpu_isa)  # `auto` keeps a build this process selected already (tests force one)
     if name != "auto":
         return name
     if torch.device(device).type != "cuda":
-        return "cpu" if cpu_attention.available() else "torch"
+        return "cpu" if library is not None else "torch"
     if triton_available():
         return "triton"
     log.warning("device.kernels=auto on CUDA without triton: using the torch backend "
@@ -159,50 +161,29 @@ def resolve_backend_name(name: str, device: torch.device | str, cpu_isa: str = "
     return "torch"
 
 
-def select_backend(name: str = "auto", device: torch.device | str = "cpu", cpu_isa: str = "auto") -> Backend:
-    """The backend for config value `name` (auto | torch | triton | cpu) on `device`, with
-    the `cpu_isa` build (auto | avx512 | avx2 | scalar) of the C++ CPU kernels."""
-    resolved = resolve_backend_name(name, device, cpu_isa)
+def select_backend(name: str = "auto", device: torch.device | str = "cpu", library: CpuLibrary | None = None
+                   ) -> Backend:
+    """The backend for config value `name` (auto | torch | triton | cpu) on `device`; the cpu
+    backend calls `library` (a build of the C++ CPU kernels, cpu_library.load)."""
+    resolved = resolve_backend_name(name, device, library)
     if resolved == "torch":
         return TorchBackend()
     if resolved == "cpu":
-        if torch.device(device).type != "cpu" or not cpu_attention.available():
+        if torch.device(device).type != "cpu" or library is None:
             raise RuntimeError(f"device.kernels=cpu needs the CPU and a C++ compiler for its kernel (device {device})")
-        from meshserve.layers.kernels.cpu_backend import CpuBackend
+        from meshserve.layers.cpu_backend import CpuBackend
 
-        return CpuBackend()
+        return CpuBackend(library)
     if not triton_available():
         raise ImportError("device.kernels=triton needs triton: pip install 'meshserve[gpu]'")
-    from meshserve.layers.kernels.triton_backend import TritonBackend
+    from meshserve.layers.triton_backend import TritonBackend
 
     return TritonBackend()
 
 
-MATMULS = {"int4": "int4 groups (torch's _weight_int4pack_mm), the head int8",
-           "int8": "int8 weights (torch's _weight_int8pack_mm)",
-           "w8a8": "oneDNN u8 x s8 (VNNI) on 8-bit rows"}
-BF16_INPUTS = " on bfloat16 inputs"
-"""How a float32 model's weight-only kernels take their inputs (meshserve.layers.quant.kernel_dtype)."""
-
-
-def kernel_summary(backend: Backend, dtype: torch.dtype, quantization: str, head_dim: int,
-                   device: torch.device | str = "cpu", kept_in_bf16: bool = False) -> str:
-    """One start-up line: what computes each op of this rank's model, e.g. `matmul: C++ AVX2
-    on float32 weights in panels; attention: cpu backend, C++ paged decode (avx2 build),
-    prefill SDPA; norm/act/rotary: C++ (avx2 build) in eager steps`. `kept_in_bf16`: the
-    float32 model's weights hold bf16 numbers and are kept in bf16 (layers.matmul.bf16_exact)."""
-    name = str(dtype).removeprefix("torch.")
-    on_cpu = torch.device(device).type == "cpu"
-    if quantization != "none":
-        matmul = MATMULS[quantization] + (BF16_INPUTS if dtype == torch.float32 and quantization != "w8a8" else "")
-    elif dense_kernel_chosen(device, dtype):
-        kept = " kept in bf16 (bf16 numbers, widened exactly)" if kept_in_bf16 and dtype == torch.float32 else ""
-        matmul = f"C++ {DENSE_ISAS[cpu_library.selected_isa]} on {name} weights in panels{kept}"
-    elif on_cpu and torch.backends.mkldnn.is_available() and (
-            dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
-        matmul = f"oneDNN packed {name}"
-    elif on_cpu and dtype == torch.bfloat16:
-        matmul = "torch bfloat16 below 16 rows, oneDNN float32 on widened weights from 16 (no bf16 dot products)"
-    else:
-        matmul = f"torch {name}"
-    return f"matmul: {matmul}; {backend.summary(head_dim)}"
+def kernel_summary(backend: Backend, matmuls: MatmulPlan, head_dim: int) -> str:
+    """One start-up line: what computes each op of this rank's model, as the chosen objects
+    describe themselves, e.g. `matmul: C++ AVX2 on float32 weights in panels; attention: cpu
+    backend, C++ paged decode (avx2 build), prefill SDPA; norm/act/rotary: C++ (avx2 build)
+    in eager steps`."""
+    return f"matmul: {matmuls.describe()}; {backend.summary(head_dim)}"

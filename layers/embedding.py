@@ -11,7 +11,8 @@ from torch import nn
 
 from meshserve.comm.collectives import gather_from_tp, reduce_from_tp
 from meshserve.comm.groups import AxisGroup
-from meshserve.layers.matmul import DenseCpuMatmul, prepared_matmul
+from meshserve.layers.matmul import DenseCpuMatmul
+from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -68,16 +69,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
         self.packed = None
-        """A PackedCpuMatmul or a quantized matmul (meshserve.layers.quant), or None."""
+        """What multiplies the weight once prepared (meshserve.layers.matmul_plan), or None."""
 
-    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
-        """After loading: multiply by a quantized copy (`quantization` int8 | int4; int8 takes
-        int8 inputs too unless they are float32, meshserve.layers.quant), or else by a packed
-        copy where that is faster. The weight stays (it may be the embedding's too), except
-        where the copy is meshserve's AVX2 panels: they replace it, and become the weight's
-        `table`, where a tied embedding looks its rows up."""
+    def pack_weight(self, plan: MatmulPlan) -> None:
+        """After loading: multiply by what the plan's head kernel prepares (a quantized or
+        packed copy). The weight stays (it may be the embedding's too), except where the copy
+        is meshserve's panels: they replace it, and become the weight's `table`, where a tied
+        embedding looks its rows up."""
         if self.packed is None:
-            self.packed = prepared_matmul(self.weight, quantization, act_dtype, int8_activations=True)
+            self.packed = plan.head.prepare(self.weight)
             if isinstance(self.packed, DenseCpuMatmul):
                 self.weight.table = self.packed
                 self.weight.data = self.weight.data.new_empty(0)

@@ -4,9 +4,9 @@ page on first touch.
 torch.zeros writes every byte: a 1 GiB KV cache took seconds of a start, all of it resident
 though a short run writes a few blocks. `zeros_on_touch` maps memory the kernel hands out
 zeroed on first touch instead; pages never written take no memory. The map is not advised
-for transparent huge pages: in 2 MB pages the decode attention read its scattered blocks
-3-8% faster, but on a machine whose kernel compacts memory for advised maps
-(`defrag: madvise`) a first touch of 1 GiB cost seconds against under half a second in 4 KB
+for transparent huge pages: in 2 MB pages the decode attention read its scattered blocks a
+little faster, but on a machine whose kernel compacts memory for advised maps
+(`defrag: madvise`) a first touch of a large cache cost many times what it costs in 4 KB
 pages (scripts/bench_cache_pages.py), paid by the first requests a server serves.
 Other devices get torch.zeros.
 """

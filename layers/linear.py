@@ -14,7 +14,7 @@ from torch import nn
 from meshserve.comm.collectives import reduce_from_tp
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs.memory import local_num_kv_heads
-from meshserve.layers.matmul import prepared_matmul
+from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.layers.weights import CheckpointTensor
 
 
@@ -43,17 +43,20 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed = None
-        """A PackedCpuMatmul or a quantized matmul (meshserve.layers.quant), or None."""
+        """What multiplies the weight once prepared (meshserve.layers.matmul_plan), or None."""
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
-        """After loading: multiply by a quantized copy (`quantization` int8 | int4, with
-        activations in `act_dtype`), or else by a packed copy where that is faster; either
-        replaces the stored weight, which is freed."""
+    def kernel(self, plan: MatmulPlan):
+        """This layer's kind of product in `plan`."""
+        return plan.linear
+
+    def pack_weight(self, plan: MatmulPlan) -> None:
+        """After loading: multiply by what the plan's kernel for the layers' linears prepares
+        (a quantized, packed or panelled copy), which replaces the stored weight, freed."""
         if self.packed is None:
-            self.packed = prepared_matmul(self.weight, quantization, act_dtype)
+            self.packed = self.kernel(plan).prepare(self.weight)
             if self.packed is not None:
                 self.weight.data = self.weight.data.new_empty(0)
 

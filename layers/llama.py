@@ -123,27 +123,25 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(*layer_range))
         self.dtype = dtype
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend) if has_head else None
-        self.layer_hook = None
-        """Called with each layer's index (of this stage) once it has run and written its KV
-        (disaggregated prefill sends the layer's blocks then: engine/kv_agent.py)."""
-        self.fused_decode = None
-        """The layers in one C++ call for eager decode steps, where every op of theirs is one
-        of the cpu backend's kernels (layers/kernels/cpu_decode_layers.py); set by the loader."""
 
-    def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: StepMetadata):
+    def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: StepMetadata,
+                after_layer=None, layers=None):
         """First stage: from input_ids. Later stages: from the previous stage's (hidden,
-        residual). Last stage returns the final-normed hidden states and residual None."""
+        residual). Last stage returns the final-normed hidden states and residual None.
+        `after_layer(i)`: called once layer i (of this stage) has run and written its KV
+        (disaggregated prefill sends the layer's blocks then: engine/kv_agent.py). `layers`:
+        runs the decoder layers in place of the Python loop, layers(rope, hidden, residual,
+        kv_caches, meta) -> (hidden, residual) (the fused C++ call, layers/fused_decode.py)."""
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions, self.dtype)
-        fused = self.fused_decode
-        if fused is not None and self.layer_hook is None and fused.runs(kv_caches, meta):
-            hidden, residual = fused(rope, hidden, residual, kv_caches, meta)
+        if layers is not None:
+            hidden, residual = layers(rope, hidden, residual, kv_caches, meta)
         else:
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-                if self.layer_hook is not None:
-                    self.layer_hook(i)
+                if after_layer is not None:
+                    after_layer(i)
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
             residual = None
@@ -178,6 +176,9 @@ class LlamaForCausalLM(nn.Module):
         if is_last_stage:
             tied = self.model.embed_tokens if info.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(info.vocab_size, info.hidden_size, tp, dtype, tied_to=tied)
+        self.matmuls = None
+        """The products chosen at load (layers.matmul_plan.MatmulPlan), which prepared the
+        weights: the start-up line and the MFU/MBU cost read it."""
 
     def make_attention(self, dtype: torch.dtype) -> nn.Module:
         return LlamaAttention(self.info, self.tp, dtype, self.backend)
@@ -189,13 +190,11 @@ class LlamaForCausalLM(nn.Module):
             return FusedMoE(self.info.hidden_size, moe, self.tp, self.ep, dtype, self.backend, self.expert_exchange)
         return LlamaMLP(self.info, self.tp, dtype, self.backend)
 
-    @property
-    def num_local_layers(self) -> int:
-        return len(self.model.layers)
-
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: StepMetadata,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
-        return self.model(input_ids, positions, hidden, residual, kv_caches, meta)
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None, after_layer=None,
+                layers=None):
+        """`after_layer`, `layers`: as LlamaModel.forward's."""
+        return self.model(input_ids, positions, hidden, residual, kv_caches, meta, after_layer, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(num_samples, hidden_size) -> (num_samples, vocab_size) float32 on tp rank 0, else None."""

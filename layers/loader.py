@@ -8,13 +8,12 @@ from contextlib import ExitStack
 import torch
 from tqdm import tqdm
 
-from meshserve.configs.memory import head_quantization
 from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.quantization import Quantization
 from meshserve.layers.backend import ContextParallelBackend, TorchBackend
-from meshserve.layers.embedding import ParallelLMHead
-from meshserve.layers.kernels.cpu_decode_layers import fused_decode_layers
+from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.llama import LlamaForCausalLM
-from meshserve.layers.matmul import kept_in_bf16
+from meshserve.layers.matmul_plan import plan_matmuls
 from meshserve.layers.mixtral import MixtralForCausalLM
 from meshserve.layers.qwen2_moe import Qwen2MoeForCausalLM
 from meshserve.layers.qwen3 import Qwen3ForCausalLM
@@ -55,41 +54,46 @@ def load_weights(model: LlamaForCausalLM, info: ModelInfo, show_progress: bool =
 def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device | str = "cpu",
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
                 max_position: int | None = None, show_progress: bool = False, cp=None,
-                backend=None, quantization: str = "none", calibration: list[int] | None = None,
-                ep=None, expert_exchange: str = "all_to_all") -> LlamaForCausalLM:
-    """`backend`: the kernel backend (meshserve.layers.backend); default torch. With a
+                backend=None, quantization: Quantization = Quantization.NONE, calibration: list[int] | None = None,
+                ep=None, expert_exchange: str = "all_to_all", library: CpuLibrary | None = None) -> LlamaForCausalLM:
+    """`backend`: the kernel backend (meshserve.layers.backend); default torch. `library`: the
+    loaded C++ CPU kernels the products may run on (default: the backend's). With a
     context-parallel group `cp` of several ranks, the model's attention runs over it
     (layers.backend.ContextParallelBackend around `backend`). `ep`: the expert-parallel
     group of a mixture-of-experts model and how it exchanges tokens (layers.moe).
 
-    `quantization` (none | int8 | int4, meshserve.layers.quant): the weights are read in
-    float32 (a Q4_1 GGUF's codes survive exactly), the linear layers quantized, then the
-    rest cast to `dtype`, which stays the activations' dtype. With int4 the LM head takes
-    int8, as GGUF files keep their output matrix at 8 bits. w8a8 first smooths the weights
-    (meshserve.layers.smoothquant) on one prefill of `calibration` token ids."""
-    load_dtype = dtype if quantization == "none" else torch.float32
+    The products are chosen once (layers.matmul_plan.plan_matmuls: `model.matmuls`, which
+    the start-up line and the MFU/MBU cost read). `quantization` (meshserve.layers.quant):
+    the weights are read in float32 (a Q4_1 GGUF's codes survive exactly), the linear layers
+    quantized, then the rest cast to `dtype`, which stays the activations' dtype. With int4
+    the LM head takes int8, as GGUF files keep their output matrix at 8 bits. w8a8 first
+    smooths the weights (meshserve.layers.smoothquant) on one prefill of `calibration` token
+    ids."""
+    quantization = Quantization(quantization)
+    backend = backend or TorchBackend()
+    matmuls = plan_matmuls(device, dtype, quantization, library or backend.library)
+    load_dtype = matmuls.load_dtype
     if cp is not None and cp.size > 1:
-        backend = ContextParallelBackend(backend or TorchBackend(), cp)
+        backend = ContextParallelBackend(backend, cp)
     with torch.device(device):
         model = MODEL_CLASSES[info.architecture](info, tp, load_dtype, layer_range=layer_range,
                                                  is_first_stage=is_first_stage, is_last_stage=is_last_stage,
                                                  max_position=max_position, backend=backend, ep=ep,
                                                  expert_exchange=expert_exchange)
     load_weights(model, info, show_progress)
-    if quantization == "w8a8":
+    if quantization is Quantization.W8A8:
         if not calibration:
             raise ValueError("model.quantization=w8a8 calibrates on a prefill: pass calibration token ids")
         ids = calibration[:max_position or info.max_position_embeddings]
         log.info("calibrating w8a8 (SmoothQuant) on a prefill of %d tokens", len(ids))
         smooth(model, ids, tp)
-    if quantization != "none":
+    if quantization.quantized:
         log.info("quantizing the linear layers (%s)", quantization)
     for module in model.modules():
-        if isinstance(module, ParallelLMHead):
-            module.pack_weight(head_quantization(quantization), dtype)
-        elif hasattr(module, "pack_weight"):
-            module.pack_weight(quantization, dtype)
-    model.kept_in_bf16 = kept, dense = kept_in_bf16(model)
+        if hasattr(module, "pack_weight"):  # each takes its kind's kernel of the plan
+            module.pack_weight(matmuls)
+    model.matmuls = matmuls
+    kept, dense = matmuls.kept_in_bf16()
     if kept:
         log.info("%d of %d weights hold only bf16 numbers (a bf16 checkpoint): kept in bf16, half the bytes, and "
                  "widened exactly in the products", kept, dense)
@@ -97,6 +101,4 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
         for param in model.parameters():
             param.data = param.data.to(dtype)
         model.model.dtype = dtype
-    if torch.device(device).type == "cpu":
-        model.model.fused_decode = fused_decode_layers(model)
     return model.eval()

@@ -34,7 +34,7 @@ from meshserve.comm.groups import AxisGroup
 from meshserve.configs.model_info import MoEInfo
 from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.linear import ReplicatedLinear
-from meshserve.layers.matmul import prepared_matmul
+from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.layers.weights import CheckpointTensor
 
 GATE, UP, DOWN = 0, 1, 2
@@ -66,7 +66,7 @@ def combine(pairs: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> 
     (pairs[i] belongs to flat pair order[i]); (pairs, hidden) -> (num_tokens, hidden).
 
     NOTE: a gather back to (token, slot) order and one batched product, not index_add_:
-    its CPU kernel took 40 ms for 64 rows of 512 on 2 busy cores."""
+    its CPU kernel is far slower at these sizes."""
     num_tokens, k = weights.shape
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -78,8 +78,8 @@ class Router(ReplicatedLinear):
     """The gate G (num_experts x hidden), whole on every rank. Never quantized: a coarser
     router would send tokens to other experts."""
 
-    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
-        super().pack_weight("none", act_dtype)
+    def kernel(self, plan: MatmulPlan):
+        return plan.router
 
 
 class FusedMoE(nn.Module):
@@ -139,14 +139,14 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             target.copy_(tensor)
 
-    def pack_weight(self, quantization: str = "none", act_dtype: torch.dtype | None = None) -> None:
-        """After loading: per expert, a quantized (int8 | int4) or packed copy where one
-        exists (unless the backend's fused kernel takes them unquantized); the stored
-        weights are then freed."""
-        if self.packed is not None or (self.fused is not None and quantization == "none"):
+    def pack_weight(self, plan: MatmulPlan) -> None:
+        """After loading: per expert, what the plan's kernel for the layers prepares (a
+        quantized or packed copy) where it prepares one (unless the backend's fused kernel
+        takes them unquantized); the stored weights are then freed."""
+        if self.packed is not None or (self.fused is not None and not plan.quantization.quantized):
             return  # the fused kernel reads the weights as loaded
-        packed = [(prepared_matmul(self.w13[e], quantization, act_dtype), prepared_matmul(self.w2[e], quantization, act_dtype))
-                  for e in range(self.local_num_experts)]
+        kernel = plan.linear
+        packed = [(kernel.prepare(self.w13[e]), kernel.prepare(self.w2[e])) for e in range(self.local_num_experts)]
         if all(a is not None and b is not None for a, b in packed):
             self.packed = packed
             self.w13.data = self.w13.data.new_empty(0)

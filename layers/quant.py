@@ -10,22 +10,22 @@ compute bound instead, which only 8-bit inputs help (w8a8).
   computes (q - 8) * scale + zero with zero = min + 8 * scale.
 - int8, one symmetric scale per output row (`_weight_int8pack_mm`). The LM head with
   bf16 activations also quantizes its input to int8 per row, as llama.cpp does for every
-  matmul, and multiplies int8 by int8 (`torch._int_mm`) where the CPU has VNNI or AMX int8: measured on
-  SmolLM2's 49152 x 576 head at one row, 152-314 vs 470-750 us, perplexity 36.25 vs 36.14
-  (scripts/quant_quality.py; bf16 unquantized 36.26). float32 runs keep the weight-only
-  head: they are the precise ones.
+  matmul, and multiplies int8 by int8 (`torch._int_mm`) where the CPU has VNNI or AMX int8:
+  faster than the weight-only kernel at a small cost in perplexity (scripts/quant_quality.py).
+  float32 runs keep the weight-only head: they are the precise ones.
 
-Measured here (scripts/bench_matmul.py): at one row these read their bytes as fast as the
-packed bf16 kernel reads its own, so a token costs 1/4 (int4) or 1/2 (int8) of the
-bf16 bytes; at 32 rows they are 2-2.5x slower than packed bf16 (they are compute bound
-on unpacking), so they are for few streams, not for batches.
+At one row these read their bytes as fast as the packed bf16 kernel reads its own, so a
+token costs 1/4 (int4) or 1/2 (int8) of the bf16 bytes; at batch sizes they are slower than
+packed bf16 (compute bound on unpacking; scripts/bench_matmul.py), so they are for few
+streams, not for batches.
 
 - w8a8: int8 weights (one scale per output row) times activations quantized to 8 bits per
   row as they come, on every linear and the head, through oneDNN's u8 x s8 kernel (VNNI:
-  twice the multiply-adds per instruction of bf16). SmolLM2's shapes, 2048 rows: 7.6 vs
-  16.8 ms for one layer's four matmuls in bf16; 32 rows: 0.23 vs 0.53 ms. The weights are
-  smoothed first (meshserve.layers.smoothquant), which brings the perplexity cost from +5%
-  to +1.2% (scripts/quant_quality.py).
+  twice the multiply-adds per instruction of bf16), faster than bf16 at prefill and batch
+  sizes. The weights are smoothed first (meshserve.layers.smoothquant), which brings most of
+  the perplexity cost back (scripts/quant_quality.py).
+
+Which of these a linear runs is chosen once at load (meshserve.layers.matmul_plan).
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ import torch
 
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.memory import INT4_GROUP
-from meshserve.layers.kernels import cpu_library
-
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "w8a8")
+from meshserve.layers.kernels.cpu_library import CpuLibrary
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,16 +73,14 @@ def row_scales(rows: torch.Tensor) -> torch.Tensor:
 DENSE_INT4_ROWS = 256
 """From this many rows (a prefill chunk) on a CPU without bf16 dot products, an int4 matmul
 dequantizes its weight to float32 and runs oneDNN's float32 product instead: the int4
-kernel is bound by unpacking there (AVX2 EPYC, SmolLM2's four shapes at 512 rows: 80 vs
-39 ms per layer; at 128-256 rows about even, at 1-32 rows the kernel is 1.2-5x faster)."""
+kernel is bound by unpacking there; at decode sizes it is the faster one."""
 
 
 def kernel_dtype(act_dtype: torch.dtype) -> torch.dtype:
     """The input dtype of the weight-only int4/int8 kernels for `act_dtype` activations:
     float32 inputs are rounded to bfloat16 for the product (far below the weights' own
-    rounding), since torch's float32 versions of these kernels are 28-75x slower than its
-    bfloat16 ones (SmolLM2's 576 -> 1536 layer at 1/32/128 rows on an AVX2 EPYC: int4 2.0 /
-    63 / 252 ms vs 0.07 / 0.84 / 3.3 ms; int8 0.41 / 13 / 53 vs 0.04 / 0.67 / 2.8 ms)."""
+    rounding), since torch's float32 versions of these kernels are many times slower than its
+    bfloat16 ones."""
     return torch.bfloat16 if act_dtype == torch.float32 else act_dtype
 
 
@@ -145,8 +141,8 @@ class Int8DynamicMatmul:
 
 
 SLOW_INT_MM_ROWS = range(2, 8)
-"""Row counts where one `_int_mm` call is slower than one per row (measured at SmolLM2's
-head: 2 rows 1107 us in one call, 2 x 152 us row by row; 8 rows and more are faster in one)."""
+"""Row counts where one `_int_mm` call is slower than one per row (measured at an LM head's
+shape; from 8 rows one call is faster)."""
 
 
 @torch.library.custom_op("meshserve::int8_dynamic_linear", mutates_args=())
@@ -173,10 +169,10 @@ class W8A8Matmul:
     """x W^T with W in int8 (one scale per output row) and x quantized to 8 bits per row as
     it comes (symmetric, its absmax to 127, stored as uint8 around 128), multiplied by
     oneDNN's u8 x s8 kernel (VNNI), which applies W's scales; x's row scales follow. All
-    three in one C++ op (cpu_quantize_rows.cpp) where it builds, eager or compiled; else in
-    torch ops around the product."""
+    three in one C++ op (cpu_quantize_rows.cpp) of `library` where it built, eager or
+    compiled; else in torch ops around the product."""
 
-    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, library: CpuLibrary | None):
         if not cpu_features().vnni:
             raise ValueError(f"w8a8 needs a CPU with VNNI for oneDNN's u8 x s8 product; this one has "
                              f"{cpu_features().describe()} (config validation refuses it before any rank starts)")
@@ -184,11 +180,11 @@ class W8A8Matmul:
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
         self.zero = torch.zeros(self.out_features, dtype=torch.int64)
-        self.native = cpu_library.available()
+        self.native = None if library is None else library.ops.w8a8_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            return cpu_library.ops.w8a8_linear(x, self.packed, self.scale, self.zero)
+        if self.native is not None:
+            return self.native(x, self.packed, self.scale, self.zero)
         codes, x_scale = quantize_rows_u8(x.reshape(-1, self.in_features))
         if torch.compiler.is_compiling():
             y = (w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype) * x_scale).to(x.dtype)
@@ -225,23 +221,3 @@ def w8a8_matmul(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
 @w8a8_matmul.register_fake
 def _w8a8_matmul_shape(codes, packed, scale, zero, dtype):
     return codes.new_empty((codes.shape[0], scale.shape[0]), dtype=dtype)
-
-
-def quantized_matmul(weight: torch.Tensor, quantization: str, act_dtype: torch.dtype, *,
-                     int8_activations: bool = False):
-    """The quantized multiply for `weight` ((out, in), loaded at full precision), or None
-    for `none`. `int8_activations`: int8 weights multiply int8-quantized inputs unless the
-    activations are float32 or the CPU has no int8 dot product (without VNNI, `_int_mm` of
-    SmolLM2's head at one row took 15 ms, the weight-only kernel in bf16 3.6 ms: AVX2 EPYC)."""
-    if quantization == "none":
-        return None
-    if weight.device.type != "cpu":
-        raise ValueError(f"model.quantization={quantization} is a CPU path; the weight is on {weight.device}")
-    if quantization == "int4":
-        return Int4Matmul(weight, act_dtype)
-    if quantization == "int8":
-        dynamic = int8_activations and act_dtype != torch.float32 and cpu_features().vnni
-        return (Int8DynamicMatmul if dynamic else Int8Matmul)(weight, act_dtype)
-    if quantization == "w8a8":
-        return W8A8Matmul(weight, act_dtype)
-    raise ValueError(f"unknown quantization {quantization!r} ({', '.join(QUANTIZATIONS)})")

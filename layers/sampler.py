@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.comm.messages import SamplingParams, TokenLogprob
-from meshserve.layers.kernels import cpu_library
+from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.logits_processors import (apply_processors, apply_token_bitmask, check_bitmask,
                                                 uses_processors)
 
@@ -43,18 +43,19 @@ class SamplingRow:
         return self.num_tokens - self.prompt_len
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax(x: torch.Tensor, library: CpuLibrary | None = None) -> torch.Tensor:
     """Each row's index of its largest value (the first, on ties). Float32 rows on the CPU
-    take one C++ pass (cpu_norm_act.cpp), which ignores NaNs where torch would pick them."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and cpu_library.available():
-        return cpu_library.ops.argmax_rows(x.contiguous())
+    take one C++ pass of `library` (cpu_norm_act.cpp), which ignores NaNs where torch would
+    pick them."""
+    if library is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1]:
+        return library.ops.argmax_rows(x.contiguous())
     return x.argmax(dim=-1)
 
 
-def native_sampling(logits: torch.Tensor) -> bool:
+def native_sampling(logits: torch.Tensor, library: CpuLibrary | None) -> bool:
     """Whether `logits` sample in the C++ op: float32 rows on the CPU, the library built."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
-            and cpu_library.available())
+    return (library is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and logits.shape[1] > 0)
 
 
 def _row_seed(seed: int, num_tokens: int) -> int:
@@ -62,8 +63,11 @@ def _row_seed(seed: int, num_tokens: int) -> int:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...], seed: int | None = None):
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int | None = None, library: CpuLibrary | None = None):
+        """`library`: the C++ CPU kernels that sample, mask and take the argmax of float32
+        rows on the CPU (cpu_library.load); None: torch ops."""
         self.eos_token_ids = list(eos_token_ids)
+        self.library = library
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -83,16 +87,16 @@ class Sampler:
         mask_rows = None
         if bitmask is not None and bitmask.shape[0]:
             mask_rows = check_bitmask(bitmask, bitmask_rows, logits.shape[0]).to(logits.device)
-            fallback = argmax(logits)[mask_rows]  # every row's: cheaper than copying the masked ones
+            fallback = argmax(logits, self.library)[mask_rows]  # every row's: cheaper than copying the masked ones
         self._apply_min_tokens(logits, rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if mask_rows is not None:
-            apply_token_bitmask(logits, bitmask, mask_rows, fallback)
+            apply_token_bitmask(logits, bitmask, mask_rows, fallback, self.library)
         if any(uses_processors(r.params) for r in rows):
             apply_processors(logits, rows)
         if all(r.params.greedy for r in rows):
-            tokens = argmax(logits)
+            tokens = argmax(logits, self.library)
         else:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
@@ -109,7 +113,7 @@ class Sampler:
                     logits[i, banned] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        if native_sampling(logits):
+        if native_sampling(logits, self.library):
             return self._sample_native(logits, rows)
         return self._sample_torch(logits, rows)
 
@@ -120,10 +124,10 @@ class Sampler:
                 g = torch.Generator().manual_seed(_row_seed(r.params.seed, r.num_tokens))
                 uniform[i] = torch.rand(1, generator=g, dtype=torch.float64)
         params = [r.params for r in rows]
-        return cpu_library.ops.sample_rows(logits.contiguous(),
-                                           torch.tensor([p.temperature for p in params], dtype=torch.float32),
-                                           torch.tensor([p.top_k for p in params], dtype=torch.long),
-                                           torch.tensor([p.top_p for p in params], dtype=torch.float32), uniform)
+        return self.library.ops.sample_rows(logits.contiguous(),
+                                            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                                            torch.tensor([p.top_k for p in params], dtype=torch.long),
+                                            torch.tensor([p.top_p for p in params], dtype=torch.float32), uniform)
 
     def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The torch-op path; its greedy rows take the argmax afterwards (the C++ op takes
@@ -131,7 +135,7 @@ class Sampler:
         tokens = self._race(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), argmax(logits), tokens)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), argmax(logits, self.library), tokens)
         return tokens
 
     def _race(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -160,7 +164,7 @@ class Sampler:
             if r.params.seed is not None:
                 g = torch.Generator(device=logits.device).manual_seed(_row_seed(r.params.seed, r.num_tokens))
                 noise[i].exponential_(generator=g)
-        return argmax(probs / noise)
+        return argmax(probs / noise, self.library)
 
     @staticmethod
     def _logprob(row: torch.Tensor, token: int, n: int | None) -> TokenLogprob | None:

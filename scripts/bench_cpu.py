@@ -91,7 +91,7 @@ def run_variant(args, variant: str, prompt: list[int]) -> dict:
     built = time.perf_counter()
     engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=args.threads)
     build_seconds = time.perf_counter() - built
-    compiled = engine.executor.runner.compiled
+    compiled = engine.executor.runner.decode.compiled
     cost = ModelCost(info, DTYPE_BYTES[dtype], quantization)
     peak = measure_matmul_peak(DTYPES[dtype], quantization=quantization)
     ctx = args.prompt_len + args.output_len // 2

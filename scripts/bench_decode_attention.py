@@ -60,13 +60,14 @@ def main() -> int:
     p.add_argument("--warm", action="store_true", help="no buffer read between calls")
     p.add_argument("--output", default="results/bench_decode_attention.json")
     args = p.parse_args()
-    if not cpu_library.select("auto"):
+    library = cpu_library.load("auto")
+    if library is None:
         raise SystemExit("meshserve's C++ kernels could not be built here")
-    op = cpu_library.ops.paged_decode_attention
+    op = library.ops.paged_decode_attention
     scale = DIM ** -0.5
     flush = None if args.warm else torch.ones(24 << 20)
     print(f"CPU: {cpu_features().describe()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; "
-          f"build {cpu_library.selected_isa}; cache {'warm' if args.warm else 'read from memory'}")
+          f"build {library.isa}; cache {'warm' if args.warm else 'read from memory'}")
     print(f"{'dtype':<9}{'batch':>6}{'context':>8}{'meshserve us':>14}{'torch us':>10}{'GB/s':>7}{'torch / ms':>11}")
     rows = []
     for dtype_name in args.dtype:
@@ -94,7 +95,7 @@ def main() -> int:
                       f"{row['cache_gb_per_s']:>7.1f}{ts / ms:>10.2f}x")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_features().describe(), "build": cpu_library.selected_isa,
+    out.write_text(json.dumps({"cpu": cpu_features().describe(), "build": library.isa,
                                "warm": args.warm, "rows": rows},
                               indent=1))
     print(f"wrote {out}")

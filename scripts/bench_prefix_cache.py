@@ -110,9 +110,10 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="meshserve config override for both servers (repeatable)")
     p.add_argument("--vllm", default=None, metavar="VENV", help="also measure vLLM's CPU build from this venv")
-    p.add_argument("--vllm-cli", default=str(REPO.parent / "shared" / "peers" / "vllm_cli.py"))
-    p.add_argument("--vllm-model", default=str(Path.home() / "smollm2-hf"),
-                   help="the Hugging Face directory vLLM serves (shared/peers/make_hf_checkpoint.py)")
+    p.add_argument("--vllm-cli", default=str(HERE / "peers" / "vllm_cli.py"), help="the `vllm` command to run")
+    p.add_argument("--vllm-model", default=None,
+                   help="the Hugging Face directory vLLM serves (default: the built-in GGUF converted once into "
+                        "results/smollm2-hf-bf16, as scripts/bench_vs_vllm.py does)")
     p.add_argument("--vllm-dtype", default="float32", help="float32 without AMX, bfloat16 with it")
     p.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (auto: its default)")
     p.add_argument("--out", default=str(REPO / "results" / "bench_prefix_cache"))
@@ -136,6 +137,10 @@ def main() -> int:
         for s in servers.values():
             s.stop()
     if args.vllm:
+        if args.vllm_model is None:
+            from bench_vs_vllm import hf_checkpoint  # imports torch: only when vLLM runs
+
+            args.vllm_model = hf_checkpoint(REPO / "results" / "smollm2-hf-bf16")
         port = free_port()
         server = vllm_server(args, port, out_dir)
         try:

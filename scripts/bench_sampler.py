@@ -24,7 +24,7 @@ from meshserve.configs import load_config
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
 from meshserve.engine.build import build_single_rank_engine
-from meshserve.layers import sampler as sampler_module
+from meshserve.layers.kernels import cpu_library
 from meshserve.layers.sampler import Sampler, SamplingRow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,8 +47,9 @@ def model_logits(batch: int) -> torch.Tensor:
     return logits[rows].contiguous()
 
 
-def time_sampler(logits: torch.Tensor, params: SamplingParams, repeats: int) -> float:
-    sampler = Sampler((2,), seed=0)
+def time_sampler(logits: torch.Tensor, params: SamplingParams, repeats: int, library) -> float:
+    """`library`: the C++ kernels that sample (cpu_library.load), None: the torch ops."""
+    sampler = Sampler((2,), seed=0, library=library)
     rows = [SamplingRow(params, 100 + i, 50, [0] * (100 + i)) for i in range(len(logits))]
     for _ in range(3):
         sampler(logits.clone(), rows)
@@ -71,17 +72,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     logits = model_logits(args.batch)
     results: dict[str, dict[str, float]] = {}
-    native = sampler_module.native_sampling
+    library = cpu_library.load()
     print(f"Sampler on ({args.batch}, {logits.shape[1]}) float32 logits, {args.threads} threads, median ms per call")
     print(f"{'setting':<30}{'C++':>10}{'torch ops':>12}")
     for name, kwargs in SETTINGS.items():
         params = SamplingParams(**kwargs)
-        row = {"C++": time_sampler(logits, params, args.repeats)}
-        sampler_module.native_sampling = lambda x: False
-        try:
-            row["torch ops"] = time_sampler(logits, params, args.repeats)
-        finally:
-            sampler_module.native_sampling = native
+        row = {"C++": time_sampler(logits, params, args.repeats, library),
+               "torch ops": time_sampler(logits, params, args.repeats, None)}
         results[name] = row
         print(f"{name:<30}{row['C++']:>10.2f}{row['torch ops']:>12.2f}")
     out = Path(args.out)

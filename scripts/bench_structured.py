@@ -313,7 +313,7 @@ def model_tokenizer(overrides: list[str]) -> tuple[ModelInfo, Tokenizer]:
 
 
 def new_compiler(info: ModelInfo, tokenizer: Tokenizer) -> GrammarCompiler:
-    """A GrammarCompiler as the server builds one (launcher/serve.py)."""
+    """A GrammarCompiler as the server builds one (engine/serving/frontends.py)."""
     return GrammarCompiler(tokenizer, info.vocab_size)
 
 

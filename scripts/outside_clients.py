@@ -5,8 +5,7 @@ requests succeeded by its own count, and its own summary line. Writes
 results/outside_clients.json.
 
     python scripts/outside_clients.py --guidellm ~/venv-guidellm --aiperf ~/venv-aiperf \\
-        --langchain ~/venv-langchain --vllm ~/venv-vllm --vllm-cli ../shared/peers/vllm_cli.py \\
-        --agents ~/venv-agents [--openai ~/venv-openai]
+        --langchain ~/venv-langchain --vllm ~/venv-vllm --agents ~/venv-agents [--openai ~/venv-openai]
 
 Structured outputs and tool calling are checked one by one, each by the client's own
 behaviour (no exception, the parsed object validates, the framework ran the tool):
@@ -177,7 +176,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name in ("guidellm", "aiperf", "langchain", "vllm", "agents", "openai"):
         ap.add_argument(f"--{name}", type=Path, default=None, metavar="VENV", help=f"the virtual environment of {name}")
-    ap.add_argument("--vllm-cli", type=Path, default=None, help="the `vllm` command's script in that venv")
+    ap.add_argument("--vllm-cli", type=Path, default=Path(__file__).resolve().parent / "peers" / "vllm_cli.py",
+                    help="the `vllm` command, run by the --vllm venv's python")
     ap.add_argument("--requests", type=int, default=20,
                     help="requests per benchmark client (structured-output and tool checks run once each)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "outside_clients.json")
@@ -189,8 +189,7 @@ def run_clients(args: argparse.Namespace, url: str, tokenizer: Path, work: Path)
     clients = {
         "guidellm": (args.guidellm, lambda v: guidellm(v, url, tokenizer, args.requests, work)),
         "aiperf": (args.aiperf, lambda v: aiperf(v, url, tokenizer, args.requests, work)),
-        "vllm bench serve": (args.vllm if args.vllm_cli else None,
-                             lambda v: vllm_bench(v, args.vllm_cli, url, tokenizer, args.requests, work)),
+        "vllm bench serve": (args.vllm, lambda v: vllm_bench(v, args.vllm_cli, url, tokenizer, args.requests, work)),
         "langchain-openai": (args.langchain, lambda v: langchain(v, url, args.requests, work)),
         # NOTE: langchain-openai and openai-agents both install openai, so either venv serves.
         "openai structured+tools": (args.openai or args.langchain or args.agents,

@@ -7,15 +7,14 @@ from support.checkpoints import KINDS, make_checkpoint, save_tokenizer, smollm2_
 
 
 @pytest.fixture(params=cpu_library.runnable_isas())
-def cpu_isa(request):
+def cpu_build(request) -> cpu_library.CpuLibrary:
     """Each build of the C++ CPU kernels this CPU runs (avx512, avx2, scalar: on an AVX-512
-    machine all three), selected for the test: a change that breaks the AVX2 or scalar path
-    fails on any machine, not only on one without AVX-512."""
-    before = cpu_library.selected_isa
-    if not cpu_library.select(request.param):
+    machine all three), loaded, for the test to pass to what it checks: a change that breaks
+    the AVX2 or scalar path fails on any machine, not only on one without AVX-512."""
+    build = cpu_library.load(request.param)
+    if build is None:
         pytest.skip("no C++ compiler for the CPU kernels")
-    yield request.param
-    cpu_library.select(before or "auto")
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@
     tools/            tool calling: the model's call format, the prompt, forced calls
     tokenize_pool.py  tokenizing off the I/O threads, shortest first
     commands.py       what frontends hand the step loop, and the Frontend protocol
+    frontends.py      the one assembly of a process's frontends from the config (ZMQ, HTTP)
     server.py         the step loop on the driver's main thread: commands in, steps, replies out
     metrics.py        Prometheus metrics of the engine and the HTTP server
     replicas/         several replicas behind one front door (parallel.data): the same

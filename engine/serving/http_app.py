@@ -1,6 +1,6 @@
-"""The ASGI side of the HTTP frontend: the routes (build_app), the wrapper that counts
-responses, checks the API key and bounds bodies (CountingApp), CORS, and the error handlers
-that answer in OpenAI's shape."""
+"""The ASGI side of the HTTP frontend: the routes (build_app) from the OpenAI serving object
+and the transport's own handlers, the wrapper that counts responses, checks the API key and
+bounds bodies (CountingApp), CORS, and the error handlers that answer in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -8,54 +8,25 @@ import asyncio
 import hmac
 import logging
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from meshserve.engine.serving.openai_protocol import OpenAIError
+from meshserve.engine.serving.openai_generation import ClientDisconnected
+from meshserve.engine.serving.openai_protocol import IGNORED_HEADER, OpenAIError
+from meshserve.engine.serving.openai_serving import OpenAIServing
 from meshserve.engine.serving.request_body import MAX_BODY_BYTES
 from meshserve.engine.serving.tokenize_api import meshserve_version
-
-if TYPE_CHECKING:
-    from meshserve.engine.serving.http_frontend import HttpFrontend
 
 log = logging.getLogger("meshserve.engine.serving.http_frontend")
 
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
                  "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
-IGNORED_HEADER = "x-meshserve-ignored-fields"
-"""Response header naming the request's fields this server ignored (comma-separated)."""
-
-
-class StreamError(Exception):
-    """An error reply after a stream's headers went out."""
-
-    def __init__(self, error: OpenAIError):
-        super().__init__(error.message)
-        self.error = error
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events that release their engine requests however the response ends (also
-    when the client leaves before the first chunk, so the generator never starts)."""
-
-    def __init__(self, events, on_close, headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"} | headers)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the response started."""
 
 
 class BodyTooLarge(Exception):
@@ -137,52 +108,55 @@ def internal_error(request_id: str) -> OpenAIError:
                        type="server_error", code="internal_error")
 
 
-def build_app(frontend: HttpFrontend) -> FastAPI:
+def build_app(serving: OpenAIServing, health: Callable[[], tuple[int, dict]], models: Callable[[], dict[str, Any]],
+              reset_prefix_cache: Callable[[], Awaitable[dict[str, Any]]], registry: CollectorRegistry) -> FastAPI:
+    """The routes: OpenAI's and the tokenizer's from `serving`; /health, /v1/models,
+    /reset_prefix_cache and /metrics from the transport's handlers, given here."""
     app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve server")
     install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await frontend.completions(request)
+        return await serving.completions(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await frontend.chat(request)
+        return await serving.chat(request)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        return await frontend.responses.create(request)
+        return await serving.responses.create(request)
 
     @app.get("/v1/models")
-    async def models():
-        return frontend.models()
+    async def list_models():
+        return models()
 
     @app.get("/health")
-    async def health():
-        status, body = frontend.health()
+    async def get_health():
+        status, body = health()
         return JSONResponse(body, status)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        return await frontend.reset_prefix_cache()
+    async def post_reset_prefix_cache():
+        return await reset_prefix_cache()
 
     @app.get("/metrics")
     async def metrics():
         # NOTE: on a thread: a front door's registry reads its replicas' /metrics over HTTP
-        text = await asyncio.to_thread(generate_latest, frontend.registry)
+        text = await asyncio.to_thread(generate_latest, registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await frontend.tokenizer_api.tokenize(await request.body())
+        return await serving.tokenizer_api.tokenize(await request.body())
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await frontend.tokenizer_api.detokenize(await request.body())
+        return await serving.tokenizer_api.detokenize(await request.body())
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        return frontend.tokenizer_api.info()
+        return serving.tokenizer_api.info()
 
     @app.get("/version")
     async def version():

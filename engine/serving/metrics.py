@@ -16,15 +16,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from meshserve.configs.memory import DTYPE_BYTES
+from meshserve.configs.quantization import Quantization
 from meshserve.engine.engine import Engine
-from meshserve.engine.output import RequestState
+from meshserve.engine.output_processor import RequestState
 from meshserve.engine.perf import ModelCost, measure_matmul_peak, measure_memory_bandwidth
 from meshserve.engine.scheduler import ScheduledBatch
 from meshserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from meshserve.layers.kernels.cpu_library import CpuLibrary
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +54,18 @@ class Roofline:
 
 
 def measure_roofline(dtype, device: str, world_size: int, peak_flops: float | None = None,
-                     memory_bandwidth: float | None = None, quantization: str = "none") -> Roofline:
-    """Measure what the config does not give (about a second on a CPU): this process's matmul
-    peak in `dtype` and its read bandwidth, scaled to the deployment.
+                     memory_bandwidth: float | None = None, quantization: Quantization = Quantization.NONE,
+                     library: CpuLibrary | None = None) -> Roofline:
+    """Measure what the config does not give: this process's matmul peak in `dtype` (of the
+    product `quantization` and `library` choose, engine/perf.py) and its read bandwidth,
+    scaled to the deployment.
 
     NOTE: FLOPs scale with the world size (each rank has its own cores or GPU). Bandwidth does
     on GPUs (each has its own memory) but not on one CPU node, whose ranks share its memory."""
     measured = []
     if peak_flops is None:
-        peak_flops = measure_matmul_peak(dtype, n=1024, repeats=3, device=device, quantization=quantization) * world_size
+        peak_flops = measure_matmul_peak(dtype, n=1024, repeats=3, device=device, quantization=quantization,
+                                         library=library) * world_size
         measured.append("peak_flops")
     if memory_bandwidth is None:
         per_process = measure_memory_bandwidth(64 << 20, repeats=3, device=device)
@@ -242,7 +250,6 @@ class EngineMetrics:
             self.mfu.set(flops / seconds / self._roofline.peak_flops)
             self.mbu.set(nbytes / seconds / self._roofline.memory_bandwidth)
 
-
     def _kv_transfer_gauges(self, stats) -> None:
         """Disaggregated prefill/decode: the driver rank's KV transfers (engine/kv_agent.py
         KvStats; with tensor or pipeline parallelism each rank moves its own shard too)."""
@@ -291,16 +298,17 @@ class EngineMetrics:
 
 def serving_metrics(info, dtype_name: str, device: str, world_size: int, peak_flops: float | None,
                     memory_bandwidth: float | None, engine: Engine, metrics: EngineMetrics,
-                    quantization: str = "none", kv_dtype: str = "auto") -> Roofline:
+                    quantization: Quantization = Quantization.NONE, kv_dtype: str = "auto") -> Roofline:
     """Measure (or take) the roofline and attach `metrics` to `engine`; returns the roofline."""
     import torch
 
     if peak_flops is None or memory_bandwidth is None:
-        log.info("measuring the roofline for the MFU/MBU gauges (about a second; server.metrics.peak_flops and "
+        log.info("measuring the roofline for the MFU/MBU gauges (server.metrics.peak_flops and "
                  "memory_bandwidth skip it)")
+    matmuls = engine.executor.runner.model.matmuls  # the products the model runs (layers.matmul_plan)
     roofline = measure_roofline(getattr(torch, dtype_name), device, world_size, peak_flops, memory_bandwidth,
-                                quantization)
-    kept, dense = engine.executor.runner.model.kept_in_bf16  # counted by the loader
+                                quantization, matmuls.library)
+    kept, dense = matmuls.kept_in_bf16()
     stored = 2 if dense and kept == dense else None  # a float32 model's bf16 numbers kept in bf16
     metrics.attach(engine, ModelCost(info, DTYPE_BYTES[dtype_name], quantization, kv_dtype, stored), roofline)
     log.info("MFU/MBU roofline (%s): %.3g FLOP/s, %.3g bytes/s", roofline.source, roofline.peak_flops,

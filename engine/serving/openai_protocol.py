@@ -2,13 +2,16 @@
 /v1/completions and /v1/chat/completions (openai_shapes.py has the responses).
 
 Requests are pydantic models that refuse unknown fields, as OpenAI's API does (a typo such
-as `max_token` is a 400, not silently ignored). Parameters meshserve cannot honour
-(suffix, beam search, ...) are a 400 naming the parameter unless they are left at their
-no-op value. Extensions (vLLM's names): top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, prompt_logprobs,
-return_token_ids, truncate_prompt_tokens, cache_salt, structured_outputs and the older
-guided_json / guided_regex / guided_choice / guided_grammar; on chat also echo,
-add_generation_prompt, continue_final_message, chat_template_kwargs.
+as `max_token` is a 400, not silently ignored). They check the types of the sampling fields,
+not their bounds: those are SamplingParams' (comm/messages.py), enforced when a request's
+parameters are built (`sampling_params`), whose 400 names the request's parameter.
+Parameters meshserve cannot honour (suffix, beam search, ...) are a 400 naming the parameter
+unless they are left at their no-op value. Extensions (vLLM's names): top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+include_stop_str_in_output, prompt_logprobs, return_token_ids, truncate_prompt_tokens,
+cache_salt, structured_outputs and the older guided_json / guided_regex / guided_choice /
+guided_grammar; on chat also echo, add_generation_prompt, continue_final_message,
+chat_template_kwargs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from meshserve.engine.serving.tools import ToolRequestError, validate_tool_reque
 
 MAX_N = 128
 """Most samples (n x prompts) one HTTP request may ask for."""
+DEFAULT_COMPLETION_TOKENS = 16
+"""OpenAI's default max_tokens for /v1/completions (chat defaults to the rest of the context)."""
+IGNORED_HEADER = "x-meshserve-ignored-fields"
+"""Response header naming the request's fields this server ignored (comma-separated)."""
 
 
 class OpenAIError(Exception):
@@ -39,6 +46,15 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def renamed(self, names: dict[str, str]) -> OpenAIError:
+        """This error in another API's words: its parameter (and the message's leading name)
+        as `names` calls it (the Responses API's names for chat's)."""
+        new = names.get(self.param or "")
+        if new is None:
+            return self
+        message = new + self.message[len(self.param):] if self.message.startswith(self.param) else self.message
+        return OpenAIError(self.status, message, self.type, new, self.code)
 
 
 # How the engine's error codes (comm.messages.ErrorCode) reach HTTP clients.
@@ -72,7 +88,17 @@ def check_model(requested: str | None, served: str) -> None:
                           param="model", code="model_not_found")
 
 
-_MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)")
+_MSGSPEC_ERROR = re.compile(r"(?P<reason>.*) - at `\$\.(?P<field>\w+)[^`]*`", re.S)
+
+
+def bound_error(e: msgspec.ValidationError, names: dict[str, str]) -> OpenAIError:
+    """A bound of SamplingParams broken, as OpenAI's 400 naming the request's parameter:
+    `names` maps the SamplingParams fields a request sets under another name to that name."""
+    m = _MSGSPEC_ERROR.fullmatch(str(e))
+    if m is None:
+        return OpenAIError(400, str(e), code="invalid_value")
+    param = names.get(m["field"], m["field"])
+    return OpenAIError(400, f"{param}: {m['reason']}", param=param, code="invalid_value")
 
 
 # ---------------------------------------------------------------- requests
@@ -152,37 +178,37 @@ class _SamplingRequest(_Strict):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, field(bounds.MAX_TOKENS)] | None = None
-    temperature: Annotated[float, field(bounds.TEMPERATURE)] | None = None
-    top_p: Annotated[float, field(bounds.TOP_P)] | None = None
+    # NOTE: the sampling fields carry types, not bounds: SamplingParams holds those (comm/messages.py)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: Annotated[int, field(bounds.SEED)] | None = None
-    stop: str | Annotated[list[str], field(bounds.STOP_STRINGS)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, field(bounds.PENALTY)] | None = None
-    frequency_penalty: Annotated[float, field(bounds.PENALTY)] | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, field(bounds.LOGIT_BIAS)]],
-                          Field(max_length=bounds.MAX_LOGIT_BIAS)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     """Token id (as a string, OpenAI's shape) -> bias added to its logit."""
     user: str | None = None
     # extensions (vLLM's names)
-    top_k: Annotated[int, Field(ge=-1, le=bounds.COUNT.le)] | None = None
+    top_k: int | None = None
     """-1 or 0: off; at most the vocabulary's size."""
-    min_tokens: Annotated[int, field(bounds.COUNT)] = 0
+    min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: Annotated[list[Annotated[int, field(bounds.COUNT)]], field(bounds.STOP_TOKEN_IDS)] | None = None
+    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     """Share cached KV blocks only with requests of the same salt."""
-    repetition_penalty: Annotated[float, field(bounds.REPETITION_PENALTY)] | None = None
-    min_p: Annotated[float, field(bounds.MIN_P)] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     """The prompt's token ids and each choice's (vLLM 0.10's `prompt_token_ids`, `token_ids`)."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=bounds.INT32_MAX)] | None = None
     """Keep only the prompt's last k tokens; -1: the model's maximum context."""
-    prompt_logprobs: Annotated[int, field(bounds.LOGPROBS)] | None = None
+    prompt_logprobs: int | None = None
     """Each prompt token's logprob and the top n (the first token has none)."""
     # structured outputs (structured_request.py turns them into one constraint)
     response_format: ResponseFormat | None = None
@@ -226,23 +252,32 @@ class _SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
-        """The engine's parameters for one sample; `seed` already offset for this sample."""
+    def param_names(self) -> dict[str, str]:
+        """The SamplingParams fields this request sets under names of its own, and those names."""
+        return {}
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        """The engine's parameters of this request, built and checked once: against
+        SamplingParams' bounds, its own and the model's (check_params); a 400 naming the
+        request's parameter if one is broken. The samples' seeds: `sample_params`."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        fields = {"max_tokens": max_tokens, "min_tokens": self.min_tokens, "top_k": max(0, self.top_k or 0),
-                  "seed": seed, "stop": stop, "stop_token_ids": list(self.stop_token_ids or []),
-                  "ignore_eos": self.ignore_eos, "logprobs": logprobs,
-                  "skip_special_tokens": self.skip_special_tokens,
+        fields = {"max_tokens": max_tokens, "min_tokens": self.min_tokens,
+                  "top_k": 0 if self.top_k == -1 else self.top_k or 0, "seed": self.seed, "stop": stop,
+                  "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": self.ignore_eos,
+                  "logprobs": logprobs, "skip_special_tokens": self.skip_special_tokens,
                   "include_stop_str_in_output": self.include_stop_str_in_output, "logit_bias": self._logit_bias(),
                   "prompt_logprobs": self.engine_prompt_logprobs}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         try:
-            return msgspec.convert(fields, SamplingParams)
+            params = msgspec.convert(fields, SamplingParams)
+            check_params(params, vocab_size)
         except msgspec.ValidationError as e:
-            m = _MSGSPEC_PATH.search(str(e))
-            raise OpenAIError(400, str(e), param=m.group(1) if m else None) from None
+            raise bound_error(e, self.param_names()) from None
+        except RequestError as e:
+            raise engine_error(e.code, e.message, self.param_names().get(e.param, e.param)) from None
+        return params
 
     def _logit_bias(self) -> list[tuple[int, float]]:
         """OpenAI's logit_bias map as the engine's (token id, bias) pairs."""
@@ -255,11 +290,14 @@ class _SamplingRequest(_Strict):
             pairs.append((int(key), bias))
         return sorted(pairs)
 
-    def check_params(self, params: SamplingParams, vocab_size: int) -> None:
-        try:
-            check_params(params, vocab_size)
-        except RequestError as e:
-            raise engine_error(e.code, e.message, e.param) from None
+
+def sample_params(params: SamplingParams, num_samples: int) -> list[SamplingParams]:
+    """One request's parameters for each of its samples. NOTE: sample j gets seed + j: the same
+    seed for all would make the samples identical. The seeds stay within SEED's bound, so the
+    copies need no second check."""
+    if params.seed is None:
+        return [params] * num_samples
+    return [msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 63)) for j in range(num_samples)]
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -269,7 +307,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt | None = None
     """Decoded and bounded by request_body.parse_body, which fills it in after validating the
     other fields: a pydantic union over a million token ids would hold the event loop."""
-    logprobs: Annotated[int, field(bounds.LOGPROBS)] | None = None
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -290,6 +328,9 @@ class CompletionRequest(_SamplingRequest):
     def num_samples(self) -> int:
         """best_of samples per prompt (n unless best_of says more)."""
         return self.best_of or self.n
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -373,8 +414,8 @@ def check_template_flags(add_generation_prompt: bool, continue_final_message: bo
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
-    top_logprobs: Annotated[int, field(bounds.LOGPROBS)] | None = None
-    max_completion_tokens: Annotated[int, field(bounds.MAX_TOKENS)] | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -412,3 +453,13 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def max_new_tokens(self, prompt_tokens: int, max_model_len: int) -> int:
+        """max_completion_tokens, else max_tokens, else the rest of the context."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else max(1, max_model_len - prompt_tokens)
+
+    def param_names(self) -> dict[str, str]:
+        max_tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"max_tokens": max_tokens, "logprobs": "top_logprobs"}

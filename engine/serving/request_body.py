@@ -3,14 +3,15 @@
     req = parse_body(body, CompletionRequest, max_model_len)   # OpenAIError(400) if bad
 
 The body is first split into its top-level fields without building any value (msgspec's
-Raw: ~60 ms for 16 MiB, no objects), so no field is parsed before its size is known:
+Raw: no objects), so no field is parsed before its size is known:
 - `prompt` is decoded by msgspec into the one shape its first bytes name (a string, strings,
   token ids, or lists of token ids), after its item counts were bounded from its bytes;
 - `messages` is counted (a list of Raw) before pydantic sees it;
 - every other field may take at most MAX_FIELD_BYTES.
-Only then does pydantic validate the rest, in strict mode. A pydantic union over a million
-token ids takes 0.5 s and one over 4 M bad items took 73 s on the event loop; this path takes
-tens of milliseconds for any body of at most MAX_BODY_BYTES.
+Only then does pydantic validate the rest, in strict mode (types; the bounds of the sampling
+fields are SamplingParams', checked when a request's parameters are built). A pydantic union
+over a million token ids, or over millions of bad items, would hold the event loop for seconds
+to minutes; this path stays short for any body of at most MAX_BODY_BYTES.
 """
 
 from __future__ import annotations

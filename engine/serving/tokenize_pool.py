@@ -1,9 +1,9 @@
 """Worker threads that tokenize prompts, shortest first.
 
-    pool = TokenizePool(2)
+    pool = TokenizePool()
     future = pool.submit(len(text), tokenizer.encode, text)   # concurrent.futures.Future
 
-A frontend's I/O thread or event loop never tokenizes: a 0.5 M-character prompt takes 0.4-2 s.
+A frontend's I/O thread or event loop never tokenizes: a long prompt takes seconds.
 The tokenizer releases the GIL, so the threads run side by side; and the shortest job waiting
 goes next, so a normal prompt never queues behind a client's burst of huge ones (at most
 behind the ones already running).
@@ -18,8 +18,14 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 
+FRONTEND_THREADS = 1
+"""A frontend's pool: one thread, since a tokenizing thread takes a core from the model's
+steps (on a small machine a burst of long prompts on two threads would take all its cores);
+shortest first keeps short prompts ahead of long ones."""
+
+
 class TokenizePool:
-    def __init__(self, threads: int, name: str = "meshserve-tokenize"):
+    def __init__(self, threads: int = FRONTEND_THREADS, name: str = "meshserve-tokenize"):
         self._jobs: list[tuple[int, int, Future, Callable, tuple]] = []
         self._order = itertools.count()
         self._cond = threading.Condition()

@@ -40,9 +40,6 @@ MAX_REQUEST_BYTES = 16 << 20
 """A larger frame gets a too_long error reply."""
 MAX_FRAME_BYTES = 256 << 20
 """ZeroMQ drops a connection that sends a frame larger than this (no reply is possible)."""
-TOKENIZER_THREADS = 1
-"""One: a tokenizing thread takes a core from the model's steps (a burst of long prompts on two
-threads takes both cores of a 2-core machine); shortest first keeps short prompts ahead of long ones."""
 CLOSE_QUIET_S = 0.5
 """On close, the router stays open until this long after its last reply: a socket closed
 right after a send can lose what its I/O thread had not yet written (seen under load,
@@ -95,7 +92,7 @@ class ZmqFrontend:
         self._failed: queue.SimpleQueue = queue.SimpleQueue()
         """(identity, reply) to send from the I/O thread: fail() and the tokenizer pool run on
         other threads."""
-        self._tokenize_pool = TokenizePool(TOKENIZER_THREADS, "meshserve-zmq-tokenize")
+        self._tokenize_pool = TokenizePool(name="meshserve-zmq-tokenize")
         self._tokenizing: dict[RequestKey, bool] = {}
         """Keys of requests in the tokenizer pool -> aborted meanwhile (I/O thread and pool)."""
         self._id_decoder = msgspec.msgpack.Decoder(_RequestId)

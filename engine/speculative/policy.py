@@ -36,7 +36,8 @@ from meshserve.engine.sequence import Sequence
 WINDOW = 64
 """Steps the cost fit looks back over."""
 PRIOR_TOKEN_SHARE = 0.05
-"""b / a before the fit has seen steps of different sizes: one more token costs 5% of a step."""
+"""b / a before the fit has seen steps of different sizes: the share of a step that one more
+token is assumed to cost."""
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 1.0
 """The acceptance assumed before anything is verified, worth this many drafts. A sequence
 starts from the acceptance of the sequences before it that sample as it does (greedy, or

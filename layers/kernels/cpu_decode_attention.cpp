@@ -9,8 +9,8 @@
 // of a value its softmax weight.
 //
 // The avx512 build scores and weighs 16 lanes at a time, the avx2 build 8 (with its own
-// exp): on a 2-core EPYC the avx2 build's plain loops, as the compiler vectorized them,
-// read the cache at ~14 GB/s in a decode step of 32 sequences.
+// exp): the avx2 build's plain loops, as the compiler vectorized them, read the cache well
+// below the memory's bandwidth (scripts/bench_decode_attention.py).
 //
 // Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_library.py
 // builds this file and registers the op's shape function for torch.compile).
@@ -284,12 +284,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // keep every thread busy. It walks the sequence's blocks in order, with the softmax carried
   // from block to block (running max and sum, flash-attention style). A block's K and V rows
   // of the task's heads are first copied into a local buffer: a plain copy keeps many cache
-  // misses in flight, the arithmetic between the loads does not (measured with the cache in
-  // memory, 32 sequences of 160 tokens, SmolLM2's heads, bf16: 297 vs 422 us per layer). Asking for
-  // the next block's lines before working on this one took another 6% (274 vs 293 us;
-  // two blocks ahead, or into L2 only, no better). On a 2-core AMD EPYC (AVX2) too: reading the
-  // cache in place, with or without the prefetch, was faster only while the cache stayed in L3
-  // (scripts/bench_decode_attention.py --warm), up to 1.4x slower from memory.
+  // misses in flight, the arithmetic between the loads does not (with the cache in memory).
+  // Asking for the next block's lines before working on this one gains a little more (two
+  // blocks ahead, or into L2 only, no better). On AVX2 CPUs too, reading the cache in place,
+  // with or without the prefetch, was faster only while the cache stayed in L3, and slower
+  // from memory (scripts/bench_decode_attention.py, with and without --warm).
   const int64_t per_task = n >= 2 * at::get_num_threads() ? kv_heads : 1, splits = kv_heads / per_task;
   at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_per_task = per_task * group;  // query heads of a task

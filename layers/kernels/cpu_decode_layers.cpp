@@ -5,11 +5,11 @@
 //
 // Each layer is what layers/llama.py computes with the cpu backend in an eager step, with the
 // same kernels of this library in the same order: the results are those of the Python loop.
-// What goes is the loop's cost around them: ~15 op calls a layer from Python (each 5-10 us
-// through the dispatcher, plus the modules' calls, views and the KV stores' index_copy),
-// ~6 ms of a 33.5 ms SmolLM2 step at batch 1 on a 2-core EPYC. The ops are called through the
-// dispatcher from C++ (well under a microsecond each); the new K/V rows are copied into their
-// cache slots here.
+// What goes is the loop's cost around them: ~15 op calls a layer from Python (each through
+// the dispatcher, plus the modules' calls, views and the KV stores' index_copy), a share of a
+// small model's step at batch 1 that scripts/profile_step.py shows. The ops are called through
+// the dispatcher from C++, far cheaper than from Python; the new K/V rows are copied into
+// their cache slots here.
 //
 // `weights`: per layer, in order, the input norm's weight, the QKV weight [(heads + 2 *
 // kv_heads) * head_dim, hidden], the o weight, the post-attention norm's weight, the gate/up

@@ -2,9 +2,10 @@
 // (pack_panels) and x [..., K] in float32 or bfloat16; y in x's dtype, summed in float32.
 // panel_rows(weight, ids): rows of a panel-ordered W, as an embedding looks them up.
 //
-// Written for CPUs with AVX2 + FMA and no AVX-512, where oneDNN's float32 products ran SmolLM2's
-// decode at ~16 GB/s of the ~25-35 GB/s a sum reads (2-core EPYC); the avx512 build has its
-// own tile (below), ahead of oneDNN's packed AVX-512 float32 product too.
+// Written for CPUs with AVX2 + FMA and no AVX-512, where oneDNN's float32 products ran a small
+// model's decode well below the bandwidth a plain sum reads; the avx512 build has its own
+// tile (below), ahead of oneDNN's packed AVX-512 float32 product too
+// (scripts/bench_decode_products.py times each build against both).
 //
 // Panel order: W's first N / 16 * 16 rows as panels of 16 rows, each panel stored k-major
 // (row n, column k of panel p at p * 16 K + k * 16 + n - 16 p), then the last N % 16 rows as
@@ -16,15 +17,13 @@
 // of this thread's share passes. One x row (batch-1 decode) is a pure stream over the weight,
 // two k steps at a time (4 sums, to hide the FMA latency).
 //
-// Against the row-major dot-product tiles this replaced (SmolLM2's 30 layers + head from
-// memory, float32, 2 threads, 2-core EPYC: scripts/bench_decode_products.py): 1 row ~10%
-// faster (~27 -> ~30 GB/s), 8 rows ~30%, 32 rows ~15-20% (~100 -> ~120 GFLOP/s), 512 ~17%.
-// A bfloat16 weight is widened in registers (half the bytes read; no bf16 dot products needed).
+// It replaced row-major dot-product tiles, which need a horizontal sum per output and read x
+// once per output row. A bfloat16 weight is widened in registers (half the bytes read; no bf16
+// dot products needed).
 //
 // The avx512 build's tile is two adjacent panels (32 outputs, two vectors) by up to 12 x rows:
-// 24 sums in registers, 14 loads per 24 FMAs. SmolLM2's products on a 2-core Ice Lake Xeon
-// (AVX-512, no AMX), weights kept in bf16: 1 / 8 / 32 rows 15 / 22 / 59 ms a pass against
-// oneDNN's packed float32 36 / 52 / 88 ms and this file's AVX2 tile 19 / 36 / 112 ms.
+// 24 sums in registers, 14 loads per 24 FMAs (README's CPU tables quote it against oneDNN's
+// packed float32 product and the AVX2 tile).
 //
 // Threads split the panels (at::parallel_for over tiles' panel groups; the panels left over
 // and the last N % 16 rows are more tasks). Builds without AVX2 (scalar) run plain loops:

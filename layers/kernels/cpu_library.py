@@ -7,13 +7,15 @@ pass each (cpu_norm_act.cpp), and random sampling with temperature, top-k and to
 (cpu_sample.cpp, with the grammar masks of structured outputs), and the products of float32
 and bfloat16 weights in panels on AVX2 CPUs (cpu_dense_linear.cpp, used by
 meshserve.layers.matmul), and a run of Llama decoder layers over a decode step in one call
-of those kernels (cpu_decode_layers.cpp, used by cpu_decode_layers.py).
+of those kernels (cpu_decode_layers.cpp, used by meshserve.layers.fused_decode).
 
 **One build per instruction set** (meshserve.configs.cpu_features.ISAS): `avx512`, `avx2`,
 `scalar`. Each registers its ops under its own namespace (`torch.ops.meshserve_cpu_avx2`,
 ...), so several load side by side in one process and the tests run every build this CPU
-can execute against the same references. `select(isa)` picks the build the model's ops
-call (`ops`); `auto` is the fastest this CPU runs (config device.cpu_isa).
+can execute against the same references. `load(isa)` gives one build as a `CpuLibrary` (its
+instruction set and its ops); `auto` is the fastest this CPU runs (config device.cpu_isa). The
+engine loads it once and passes it to what calls its ops (the cpu backend, the products, the
+sampler): no module holds a selected build.
 
 **Built once per install.** Each build goes into a folder of its own under
 ~/.cache/meshserve/kernels, named by a hash of the sources' path and text, the compiler
@@ -23,7 +25,7 @@ of one folder take an flock (released by the kernel when a builder dies); a torc
 lock found while holding it was left by an interrupted build, and is removed with a
 warning instead of waiting on it for ever.
 
-`available()` builds (or loads) the selected library once and says whether it worked:
+`load()` builds (or loads) the library once per process and gives None where that fails:
 without a C++ compiler the callers keep their torch-op paths.
 """
 
@@ -37,11 +39,12 @@ import logging
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from meshserve.configs.cache import CACHE_ROOT
+from meshserve.configs.artifact_cache import CACHE_ROOT
 from meshserve.configs.cpu_features import ISAS, cpu_features
 
 log = logging.getLogger(__name__)
@@ -66,10 +69,6 @@ ISA_CFLAGS = {
 COMMON_CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 
 KERNEL_CACHE = CACHE_ROOT / "kernels"
-
-ops = None
-"""The selected build's op namespace (torch.ops.meshserve_cpu_<isa>), None until select()."""
-selected_isa: str | None = None
 
 
 def namespace(isa: str) -> str:
@@ -135,8 +134,8 @@ def _build_or_load(isa: str, root: Path) -> None:
         if (directory / BUILT_STAMP).exists() and library.exists():  # another process built it meanwhile
             torch.ops.load_library(str(library))
             return
-        log.info("building meshserve's C++ CPU kernels (%s build; first start of this install only, about a "
-                 "minute on 2 cores) in %s", isa, directory)
+        log.info("building meshserve's C++ CPU kernels (%s build; first start of this install only) in %s",
+                 isa, directory)
         start = time.perf_counter()
         cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags(isa),
                            build_directory=str(directory), is_python_module=False)
@@ -166,21 +165,23 @@ def library(isa: str, root: Path = KERNEL_CACHE):
     return getattr(torch.ops, ns)
 
 
-def select(isa: str = "auto") -> bool:
-    """Make the `isa` build (`auto`: the fastest this CPU runs) the one `ops` calls; False
-    (and `ops` None) when it cannot be built here."""
-    global ops, selected_isa
+@dataclass(frozen=True)
+class CpuLibrary:
+    """One loaded build of the C++ kernels: its instruction set and its op namespace."""
+
+    isa: str
+    """avx512 | avx2 | scalar."""
+    ops: object
+    """torch.ops.meshserve_cpu_<isa>: call its kernels as `ops.rms_norm(...)`."""
+
+
+@functools.cache
+def load(isa: str = "auto") -> CpuLibrary | None:
+    """The `isa` build (`auto`: the fastest this CPU runs), or None when it cannot be built
+    here. Cached: every caller of one build gets the same object."""
     resolved = cpu_features().best_isa if isa == "auto" else isa
-    ops, selected_isa = library(resolved), resolved
-    return ops is not None
-
-
-def available() -> bool:
-    """Whether the selected build (the fastest this CPU runs, unless select() chose another)
-    loaded."""
-    if selected_isa is None:
-        select()
-    return ops is not None
+    ops = library(resolved)
+    return None if ops is None else CpuLibrary(resolved, ops)
 
 
 def runnable_isas() -> tuple[str, ...]:

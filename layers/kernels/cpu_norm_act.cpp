@@ -4,15 +4,15 @@
 //   as the torch reference adds) is normed and returned too;
 // - silu_and_mul(x): silu(x[:, :n]) * x[:, n:] for x of 2n columns;
 // - argmax_rows(x): each float32 row's first largest index, for greedy sampling (torch's
-//   argmax took 0.44-0.87 ms over SmolLM2's 32 x 49152 logits, its amax 0.04 ms);
+//   argmax is many times slower than its amax over a batch of vocabulary-wide rows);
 // - rotary(q, k, cos, sin): q * cos + rotate_half(q) * sin and the same for k (Hugging Face
 //   Llama's half-split layout), each product and the sum rounded to the dtype as the torch
 //   ops round them; q and k may be strided views of the qkv product (rows of contiguous
-//   heads). In torch ops that is ~16 ops a layer (a 30-layer decode step at one token:
-//   ~2 ms of dispatch for ~20 us of arithmetic).
+//   heads). In torch ops that is ~16 ops a layer (at one token, far more dispatch than
+//   arithmetic).
 //
-// In torch ops these are 7 and 2 passes over the rows (SmolLM2, 16 x 128-token prefill:
-// ~115 ms of a ~560 ms step in such elementwise ops). Compiled graphs keep the torch ops,
+// In torch ops these are 7 and 2 passes over the rows (a sizeable share of a prefill step's
+// time goes to such elementwise ops). Compiled graphs keep the torch ops,
 // which inductor fuses itself. Built with the other kernels by
 // meshserve/layers/kernels/cpu_library.py.
 

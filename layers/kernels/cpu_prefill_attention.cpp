@@ -1,7 +1,7 @@
 // Causal prefill attention on the CPU for chunks with no cached prefix (a prompt's first
 // chunk): each chunk's queries attend to its own keys and values, in the flat batch of a
-// step, read in place. torch's flash kernel took 4.5 ms per layer for 16 prompts of 128
-// tokens of SmolLM2 (9 heads, 3 KV heads, head_dim 64) on 2 cores, 68 useful GFLOP/s.
+// step, read in place. torch's flash kernel ran far below the CPU's peak on many short
+// prompts of a small model's heads (9 heads, 3 KV heads, head_dim 64: README's CPU section).
 //
 // A task is (chunk, KV head, tile of 16 query tokens). It widens the keys and values its
 // tile can see to float32 once (keys transposed, 16 to a tile), then for each query head

@@ -6,15 +6,15 @@
 //   still lacks (oneDNN's quantized linear takes one scale for the whole input);
 // - w8a8_linear(x, packed, w_scale, w_zero): the whole multiply, x (..., k) -> (..., n):
 //   quantize_rows_u8, oneDNN's u8 x s8 product (onednn::qlinear_pointwise, through the
-//   dispatcher) and scale_rows_, with no Python between them (a Python custom op cost ~9 us
-//   per call, ~1 ms of a 32-sequence decode step of SmolLM2).
+//   dispatcher) and scale_rows_, with no Python between them (a Python custom op's call
+//   costs more than a small product's arithmetic).
 //
 // - quantize_kv_int8(x) -> packed: the int8 KV cache's rows (meshserve/layers/kv_quant.py),
 //   x (..., head_dim) -> (..., head_dim + 4) int8, each row's codes round(x / scale) with
 //   scale = absmax / 127, followed by the scale's four float32 bytes.
 //
-// In torch ops the first is four passes over a float32 copy (0.3-2.3 ms for 2048 x 576..1536
-// here), which cost more than the int8 product saves. Built with cpu_decode_attention.cpp
+// In torch ops the first is four passes over a float32 copy, which cost more than the int8
+// product saves. Built with cpu_decode_attention.cpp
 // by meshserve/layers/kernels/cpu_library.py.
 
 #include <ATen/Dispatch.h>
@@ -68,7 +68,7 @@ void scale(scalar_t* y, int64_t rows, int64_t cols, const float* scales) {
       int64_t c = 0;
 #if defined(__AVX512F__)
       // c10's float -> bf16 conversion has a NaN branch that keeps the compiler from
-      // vectorizing a plain loop (11 vs ~150 GB/s here): cpu_vec.h's store16 rounds in vector
+      // vectorizing a plain loop (an order of magnitude slower): cpu_vec.h's store16 rounds in vector
       if constexpr (meshserve_cpu::kHasVec16<scalar_t>) {
         const __m512 factor = _mm512_set1_ps(by);
         for (; c + 16 <= cols; c += 16)

@@ -16,9 +16,9 @@
 // The k largest, or the nucleus, are found without sorting the row: a histogram of the
 // weights by their float32 exponent and 3 mantissa bits (8 buckets per octave), scanned from
 // the top until the count reaches k or the mass passes top_p, keeps every bucket above the
-// one where that happens; only that bucket's tokens are sorted. Two passes over the row for the weights and one or two for the
-// histogram: SmolLM2's 32 x 49152 logits took 60-170 ms in torch ops (exponential noise over
-// the whole vocabulary, a full sort for top-p).
+// one where that happens; only that bucket's tokens are sorted. Two passes over the row for
+// the weights and one or two for the histogram, where torch ops draw exponential noise over
+// the whole vocabulary and sort it all for top-p (scripts/bench_sampler.py).
 //
 // Built with the other kernels by meshserve/layers/kernels/cpu_library.py.
 
@@ -83,10 +83,10 @@ constexpr float kExpFloor = -87.f;
 
 // e_j = exp((x_j - top) / T), 0 for banned logits; returns their sum. Branch-free, so the
 // compiler vectorizes it (exp from libmvec under -ffast-math; counting the near set in the
-// same loop kept it from vectorizing: 4x slower).
+// same loop kept it from vectorizing, several times slower).
 // NOTE: the argument is clamped at kExpFloor and those weights set to 0, as they were: libmvec
 // leaves its fast path for arguments below it, and a row a grammar mask or min_p filled with
-// -inf (or a logit_bias of -100) took 3-4x as long.
+// -inf (or a logit_bias of -100) took several times as long.
 double weights(const float* x, int64_t n, float top, float inv, float* e) {
   double total = 0.0;
   for (int64_t j = 0; j < n; ++j) {
@@ -275,8 +275,8 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
 // Grammar masks (engine/structured.py): on each row rows[i] of `logits`, the tokens whose bit
 // in bitmask[i] is clear become -inf, in place (bit j of word w: token 32 w + j, xgrammar's
 // layout; tokens past the mask's words are disallowed). Returns, per masked row, whether a
-// finite logit is left. One branch-free pass per row: 0.1 ms for 32 x 49152, where the torch
-// ops (unpacking the bits, where, index_copy) took ~15.
+// finite logit is left. One branch-free pass per row, where the torch ops unpack the bits
+// and run where and index_copy over every row.
 at::Tensor mask_rows(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "mask_rows: logits must be a contiguous (n, V) float32 tensor");

@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshserve.comm.collectives import all_gather_from_tp
 from meshserve.configs.model_info import ModelInfo
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
@@ -29,6 +28,16 @@ def _load(layer, name, tensor, shard=None):
 
 def _close(a, b):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def all_gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gathers `x` over the AxisGroup `group`, concatenated along the last dim, on every
+    member: a column-parallel output made whole, to compare with the dense layer's."""
+    if group.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x.contiguous(), group=group.device_group)
+    return torch.cat(parts, dim=-1)
 
 
 def check_layers(groups, num_heads, num_kv_heads, vocab):

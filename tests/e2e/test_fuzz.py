@@ -36,7 +36,7 @@ from meshserve.comm.messages import (ErrorReply, GenerateRequest, RankStats, Rea
 from meshserve.engine.serving.zmq_frontend import MAX_REQUEST_BYTES
 from meshserve.launcher.cli import main
 from support.checkpoints import make_checkpoint
-from support.server import MeshserveProcess, free_port, http_url
+from support.server import MeshserveProcess, free_port, http_server
 
 SECRET = "fuzz-secret-0123456789"
 API_KEY = "fuzz-api-key"
@@ -63,15 +63,9 @@ def served(tmp_path_factory, tokenizer_dir) -> Served:
     ckpt = make_checkpoint(root / "llama", "llama", tokenizer_from=tokenizer_dir)
     zmq_address = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, MESHSERVE_SECRET=SECRET, MESHSERVE_API_KEY=API_KEY, OMP_NUM_THREADS="1")
-    proc = MeshserveProcess(
-        ["-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={ckpt}", "--set", "parallel.tensor=2",
-         "--set", f"server.zmq={zmq_address}", "--set", "server.http=127.0.0.1:0",
-         "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=16MiB"],
-        root, env=env)
-    try:
-        yield Served(proc, zmq_address, http_url(proc.wait_ready(180), zmq_address), control_addresses(proc))
-    finally:
-        proc.kill()
+    with http_server(root, f"model.path={ckpt}", "parallel.tensor=2", f"model.max_model_len={MAX_MODEL_LEN}",
+                     "cache.memory=16MiB", zmq=zmq_address, env=env, ready_timeout=180) as (proc, url):
+        yield Served(proc, zmq_address, url, control_addresses(proc))
 
 
 def control_addresses(proc: MeshserveProcess) -> list[str]:

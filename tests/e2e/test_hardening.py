@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from meshserve.client import Client
 from meshserve.comm.messages import ErrorReply, server_decoder
 from support.checkpoints import make_checkpoint
-from support.server import MeshserveProcess, free_port, http_url
+from support.server import MeshserveProcess, free_port, http_server
 
 API_KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -60,19 +60,14 @@ def served(tmp_path_factory, tokenizer_dir) -> Served:
     ckpt = make_checkpoint(root / "secret-dir" / "llama", "llama", tokenizer_from=tokenizer_dir)
     zmq_address = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, MESHSERVE_API_KEY=API_KEY, OMP_NUM_THREADS="1")
-    proc = MeshserveProcess(
-        ["-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={ckpt}", "--set", "parallel.pipeline=2",
-         "--set", f"server.zmq={zmq_address}", "--set", "server.http=127.0.0.1:0",
-         "--set", f"server.http_limits.read_timeout={READ_TIMEOUT}",
-         "--set", f"server.http_limits.max_connections={MAX_CONNECTIONS}",
-         "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=16MiB"],
-        root, env=env)
-    try:
-        yield Served(proc, zmq_address, http_url(proc.wait_ready(180), zmq_address), str(ckpt))
+    with http_server(root, f"model.path={ckpt}", "parallel.pipeline=2",
+                     f"server.http_limits.read_timeout={READ_TIMEOUT}",
+                     f"server.http_limits.max_connections={MAX_CONNECTIONS}",
+                     f"model.max_model_len={MAX_MODEL_LEN}", "cache.memory=16MiB", zmq=zmq_address, env=env,
+                     ready_timeout=180) as (proc, url):
+        yield Served(proc, zmq_address, url, str(ckpt))
         print(f"\nbad inputs tried: {tried}")
         assert proc.stop() == 0, proc.tail()
-    finally:
-        proc.kill()
 
 
 def _alive(served: Served) -> None:

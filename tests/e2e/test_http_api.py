@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.client import Client
 from support.checkpoints import smollm2_tokenizer
-from support.server import MeshserveProcess, free_port, http_url
+from support.server import MeshserveProcess, free_port, http_server, openai_client
 
 MODEL = "smollm2-135m-instruct"
 """The name the server gives model.path=builtin:smollm2-135m-instruct (its default)."""
@@ -49,16 +49,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Served:
     zmq = f"tcp://127.0.0.1:{free_port()}"
-    proc = MeshserveProcess(
-        ["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq={zmq}", "--set", "server.http=127.0.0.1:0",
-         "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=64MiB",
-         "--set", f"scheduler.max_num_seqs={MAX_NUM_SEQS}", "--set", f"scheduler.max_waiting={MAX_WAITING}",
-         "--drain-timeout", "600"],
-        tmp_path_factory.mktemp("http_api"))
-    try:
-        yield Served(proc, http_url(proc.wait_ready(240), zmq), zmq)
-    finally:
-        proc.kill()
+    with http_server(tmp_path_factory.mktemp("http_api"), f"model.max_model_len={MAX_MODEL_LEN}", "cache.memory=64MiB",
+                     f"scheduler.max_num_seqs={MAX_NUM_SEQS}", f"scheduler.max_waiting={MAX_WAITING}", zmq=zmq,
+                     args=("--drain-timeout", "600")) as (proc, url):
+        yield Served(proc, url, zmq)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +63,7 @@ def url(served) -> str:
 
 @pytest.fixture(scope="module")
 def oai(url) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+    with openai_client(url, TIMEOUT) as c:
         yield c
 
 

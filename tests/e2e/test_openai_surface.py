@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter
 from meshserve.configs.schema import Config
 from meshserve.engine.serving.http_app import CountingApp, with_cors
 from support.checkpoints import smollm2_tokenizer
-from support.server import MeshserveProcess, free_port, http_url
+from support.server import http_server, openai_client
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
@@ -40,22 +40,16 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory) -> str:
-    proc = MeshserveProcess(
-        ["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}",
-         "--set", "server.http=127.0.0.1:0", "--set", f"model.max_model_len={MAX_MODEL_LEN}",
-         "--set", "cache.memory=64MiB", "--set", "scheduler.max_num_seqs=8", "--set", f"server.api_key={API_KEY}",
-         "--set", f'server.cors_allowed_origins=["{ALLOWED_ORIGIN}"]'],
-        tmp_path_factory.mktemp("openai_surface"))
-    try:
-        yield http_url(proc.wait_ready(240))
+    with http_server(tmp_path_factory.mktemp("openai_surface"), f"model.max_model_len={MAX_MODEL_LEN}",
+                     "cache.memory=64MiB", "scheduler.max_num_seqs=8", f"server.api_key={API_KEY}",
+                     f'server.cors_allowed_origins=["{ALLOWED_ORIGIN}"]') as (proc, url):
+        yield url
         assert proc.proc.poll() is None, f"the server died:\n{proc.tail()}"
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")
 def oai(url) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT) as c:
+    with openai_client(url, TIMEOUT, API_KEY) as c:
         yield c
 
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from support.reference import hf_logits
 from support.schemas import CHOICES, PROMPTS, REGEX, SCHEMAS
-from support.server import MeshserveProcess, free_port, http_url
+from support.server import http_server, openai_client
 
 MAX_MODEL_LEN = 1024
 TIMEOUT = 300.0
@@ -42,21 +42,15 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory) -> str:
-    proc = MeshserveProcess(
-        ["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}",
-         "--set", "server.http=127.0.0.1:0", "--set", f"model.max_model_len={MAX_MODEL_LEN}",
-         "--set", "cache.memory=96MiB", "--set", "scheduler.max_num_seqs=16"],
-        tmp_path_factory.mktemp("structured_http"))
-    try:
-        yield http_url(proc.wait_ready(240))
+    with http_server(tmp_path_factory.mktemp("structured_http"), f"model.max_model_len={MAX_MODEL_LEN}",
+                     "cache.memory=96MiB", "scheduler.max_num_seqs=16") as (proc, url):
+        yield url
         assert proc.proc.poll() is None, f"the server died:\n{proc.tail()}"
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")
 def oai(url) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+    with openai_client(url, TIMEOUT) as c:
         yield c
 
 

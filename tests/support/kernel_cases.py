@@ -114,7 +114,7 @@ def check_attention_step(dtype, device, block_size: int, heads: int, kv_heads: i
     """TritonBackend.attention on a mixed step vs float64 math and vs the torch backend;
     the KV cache it stores vs the torch backend's."""
     from meshserve.layers.backend import TorchBackend
-    from meshserve.layers.kernels.triton_backend import TritonBackend
+    from meshserve.layers.triton_backend import TritonBackend
 
     ql, sl = STEP["query_lens"], STEP["seq_lens"]
     q, k, v, kc, vc, tables = paged_step(ql, sl, block_size, heads, kv_heads, head_dim, dtype, device, seed)
@@ -180,7 +180,7 @@ def check_context_parallel_parts(dtype, device, heads: int = 6, kv_heads: int = 
     """The two LSE attentions context parallelism asks of a backend: decode over this
     rank's share (a rank that holds nothing included) and ring tiles with positions."""
     from meshserve.parallel.context_attention import CPSeqStep, build_cp_metadata
-    from meshserve.layers.kernels.triton_backend import TritonBackend
+    from meshserve.layers.triton_backend import TritonBackend
 
     backend, block_size, scale = TritonBackend(), 8, head_dim ** -0.5
     held = [0, 5, 19]
@@ -223,7 +223,7 @@ def check_cp_attention(dtype, device, block_size: int = 4, heads: int = 4, kv_he
     vs float64 math."""
     from meshserve.comm.groups import AxisGroup
     from meshserve.parallel.context_attention import CPSeqStep, build_cp_metadata, cp_attention
-    from meshserve.layers.kernels.triton_backend import TritonBackend
+    from meshserve.layers.triton_backend import TritonBackend
 
     ql, sl = [12, 3, 1], [12, 8, 10]
     q, k, v, kc, vc, tables = paged_step(ql, sl, block_size, heads, kv_heads, head_dim, dtype, device, seed)
@@ -309,20 +309,25 @@ def run_kernel_checks(dtypes: list[str], device: str, names: list[str] | None = 
 
 @torch.inference_mode()
 def greedy_run(path: str, backend_name: str, dtype: torch.dtype, device: str, prompts: list[list[int]],
-               max_new_tokens: int, block_size: int = 4, chunk: int = 6, forced: list[list[int]] | None = None):
+               max_new_tokens: int, block_size: int = 4, chunk: int = 6, forced: list[list[int]] | None = None,
+               library=None):
     """Greedy generation through meshserve's model (one rank) with the named backend, in
     steps that mix prefill chunks (after a cached prefix), decodes and a late arrival;
     block tables with holes. With `forced`, those tokens are fed instead of the argmax
     (teacher forcing, to compare logits step by step). Returns (tokens, last-row logits
-    of every sampled position)."""
+    of every sampled position). `library`: the C++ CPU kernels the cpu backend and the
+    products call (default on the CPU: the fastest build, cpu_library.load, as the engine)."""
     from meshserve.comm.groups import AxisGroup
+    from meshserve.layers.kernels import cpu_library
     from meshserve.configs.model_info import read_model_info
     from meshserve.layers.backend import select_backend
     from meshserve.layers.loader import build_model
 
     info = read_model_info(path)
+    if library is None and torch.device(device).type == "cpu":
+        library = cpu_library.load()
     model = build_model(info, AxisGroup.single("tp"), dtype, device=device, max_position=512,
-                        backend=select_backend(backend_name, device))
+                        backend=select_backend(backend_name, device, library), library=library)
     backend = model.backend
     max_len = max(len(p) for p in prompts) + max_new_tokens
     per_seq = -(-max_len // block_size)
@@ -370,12 +375,14 @@ MODEL_PROMPTS = [[1, 504, 3575, 288, 2245, 314, 4469, 30, 216], [1, 9519, 28, 45
 
 
 def compare_backends(path: str, dtype: torch.dtype, device: str, max_new_tokens: int = 6,
-                     other: str = "triton") -> dict:
+                     other: str = "triton", library=None) -> dict:
     """Greedy tokens of the torch backend and `other`; then `other` teacher-forced with the
-    torch tokens, and the largest logit difference over all those steps."""
-    want, want_logits = greedy_run(path, "torch", dtype, device, MODEL_PROMPTS, max_new_tokens)
-    got, _ = greedy_run(path, other, dtype, device, MODEL_PROMPTS, max_new_tokens)
-    _, forced_logits = greedy_run(path, other, dtype, device, MODEL_PROMPTS, max_new_tokens, forced=want)
+    torch tokens, and the largest logit difference over all those steps. `library`: as
+    greedy_run's, for both models (the same products)."""
+    want, want_logits = greedy_run(path, "torch", dtype, device, MODEL_PROMPTS, max_new_tokens, library=library)
+    got, _ = greedy_run(path, other, dtype, device, MODEL_PROMPTS, max_new_tokens, library=library)
+    _, forced_logits = greedy_run(path, other, dtype, device, MODEL_PROMPTS, max_new_tokens, forced=want,
+                                  library=library)
     diff = max(err(a, b) for a, b in zip(forced_logits, want_logits))
     scale = max(float(lg.abs().max()) for lg in want_logits)
     return {"torch": want, other: got, "logits_max_diff": diff, "logits_scale": scale}

@@ -10,6 +10,8 @@ from meshserve.comm.groups import AxisGroup
 from meshserve.configs.model_info import MoEInfo
 from meshserve.layers.moe import DOWN, GATE, UP, FusedMoE
 from meshserve.layers.weights import MemoryTensor
+from meshserve.layers.kernels import cpu_library
+from meshserve.layers.matmul_plan import plan_matmuls
 
 H, I, E = 64, 32, 8
 
@@ -32,7 +34,7 @@ def build(w, top_k: int = 2, renormalize: bool = True, quantization: str = "none
         for name, part in (("w1", GATE), ("w3", UP), ("w2", DOWN)):
             param = moe.w2 if part == DOWN else moe.w13
             param.weight_loader(param, MemoryTensor(w[name][e]), (e, part))
-    moe.pack_weight(quantization, torch.float32)
+    moe.pack_weight(plan_matmuls("cpu", torch.float32, quantization, cpu_library.load()))
     return moe
 
 

@@ -46,10 +46,13 @@ def meshserve_logits(path: Path | str, prompts: list[list[int]], dtype: torch.dt
                      quantization: str = "none", calibration: list[int] | None = None) -> list[torch.Tensor] | None:
     """Prefill all `prompts` in one flat batch through meshserve's model (this rank's share of `tp`) and
     return each prompt's (len, vocab) logits. With `chunk`, each prompt is prefilled in
-    chunks of that many tokens over several steps, attending to its cached prefix."""
+    chunks of that many tokens over several steps, attending to its cached prefix. The
+    products are the engine's on this CPU (the C++ kernels' fastest build where it builds)."""
+    from meshserve.layers.kernels import cpu_library
+
     info = read_model_info(str(path))
     model = build_model(info, tp or AxisGroup.single("tp"), dtype, max_position=1024, quantization=quantization,
-                        calibration=calibration)
+                        calibration=calibration, library=cpu_library.load())
     blocks_per_seq = -(-max(len(p) for p in prompts) // block_size)
     kv_heads = model.model.layers[0].self_attn.local_num_kv_heads
     shape = (blocks_per_seq * len(prompts), block_size, kv_heads, info.head_dim)

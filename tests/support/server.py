@@ -9,7 +9,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from meshserve.launcher.network import free_port  # noqa: F401 (the tests import it from here)
 
@@ -99,6 +101,33 @@ class MeshserveProcess:
                 found.append(child)
                 todo.append(child)
         return found
+
+
+@contextmanager
+def http_server(log_dir: Path, *settings: str, zmq: str | None = None, args: tuple[str, ...] = (),
+                env: dict[str, str] | None = None, ready_timeout: float = 240.0
+                ) -> Iterator[tuple[MeshserveProcess, str]]:
+    """`meshserve serve` with HTTP on a free port, ZMQ on `zmq` (None: a free port), each of
+    `settings` passed as `--set KEY=VALUE` and `args` after them, in `env` (None: this
+    process's); yields the process and the HTTP URL its ready line announces, and kills it
+    on leaving."""
+    zmq = zmq or f"tcp://127.0.0.1:{free_port()}"
+    sets = [a for s in ("server.http=127.0.0.1:0", f"server.zmq={zmq}", *settings) for a in ("--set", s)]
+    proc = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", *sets, *args], log_dir, env=env)
+    try:
+        yield proc, http_url(proc.wait_ready(ready_timeout), zmq)
+    finally:
+        proc.kill()
+
+
+@contextmanager
+def openai_client(url: str, timeout: float, api_key: str = "unused"):
+    """The real `openai` client against a server's HTTP `url`, without retries (a retry would
+    hide a failed request)."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=timeout) as c:
+        yield c
 
 
 def process_env(pid: int) -> dict[bytes, bytes] | None:

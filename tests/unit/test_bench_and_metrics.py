@@ -160,10 +160,10 @@ def test_the_roofline_peak_times_the_multiply_the_config_runs(monkeypatch, dtype
     fraction of what the model's widened products do)."""
     from meshserve.engine import perf
 
-    calls, real = [], perf.prepared_matmul
-    monkeypatch.setattr(perf, "prepared_matmul", lambda w, q, d: calls.append((w.shape, q, d)) or real(w, q, d))
+    calls, real = [], perf.plan_matmuls
+    monkeypatch.setattr(perf, "plan_matmuls", lambda dev, d, q, lib: calls.append((dev, d, q)) or real(dev, d, q, lib))
     assert perf.measure_matmul_peak(dtype, n=64, repeats=1, quantization=quantization) > 0
-    assert calls == [((64, 64), quantization, dtype)]
+    assert calls == [("cpu", dtype, quantization)]
 
 
 def test_bench_sends_top_p_and_top_k_only_when_given():

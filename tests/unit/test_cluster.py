@@ -196,7 +196,7 @@ def test_a_ranks_reported_reason_reaches_the_elastic_agent(tmp_path, monkeypatch
 
 
 def test_replicas_fit_whole_on_nodes_and_are_placed_replica_by_replica(tiny_checkpoints):
-    from meshserve.launcher.front_door import node_replicas
+    from meshserve.launcher.serve_replicas import node_replicas
     from meshserve.launcher.replicas import core_shares, replica_overrides
 
     config = tiny(tiny_checkpoints, "parallel.data=2", "parallel.tensor=2")

@@ -25,7 +25,7 @@ def test_compiled_decode_matches_transformers_alone_and_batched(tiny_checkpoints
     ref = hf_model(path)
     want = [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
     engine = make_engine(path, "device.compile=true", "cache.block_size=4")
-    compiled = engine.executor.runner.compiled
+    compiled = engine.executor.runner.decode.compiled
     assert compiled is not None and compiled.compile_seconds > 0
     alone = [generate(engine, [p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
              for p, n in zip(PROMPTS, NEW_TOKENS)]
@@ -47,14 +47,14 @@ def test_the_background_compile_serves_eagerly_then_switches_to_the_graphs(tiny_
     want = [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
     engine = make_engine(path, "device.compile=true", "device.compile_wait=false", "cache.block_size=4")
     runner = engine.executor.runner
-    assert runner.compile_thread is not None and runner.compiled is None  # compiling takes seconds
+    assert runner.decode.compile_thread is not None and runner.decode.compiled is None  # compiling takes seconds
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in NEW_TOKENS]
     while_compiling = [c.token_ids for c in generate(engine, PROMPTS, params)]
-    runner.compile_thread.join(timeout=600)
-    assert runner.compiled is not None and runner.compiled.compile_seconds > 0
+    runner.decode.compile_thread.join(timeout=600)
+    assert runner.decode.compiled is not None and runner.decode.compiled.compile_seconds > 0
     compiled = [c.token_ids for c in generate(engine, PROMPTS, params)]
     assert while_compiling == want and compiled == want
-    assert runner.compiled.steps >= max(NEW_TOKENS) - 1 and runner.compiled.eager_steps == 0  # one batch
+    assert runner.decode.compiled.steps >= max(NEW_TOKENS) - 1 and runner.decode.compiled.eager_steps == 0  # one batch
 
 
 @pytest.mark.parametrize("quantization", ["int4", pytest.param("w8a8", marks=needs_vnni)])
@@ -72,7 +72,7 @@ def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, 
     for a, b in zip(compiled, eager):
         for x, y in zip(a.logprobs, b.logprobs):
             assert abs(x.logprob - y.logprob) < 1e-3
-    assert engine.executor.runner.compiled.steps > 0 and engine.executor.runner.compiled.eager_steps == 0
+    assert engine.executor.runner.decode.compiled.steps > 0 and engine.executor.runner.decode.compiled.eager_steps == 0
 
 
 def test_compile_is_refused_with_several_ranks(tiny_checkpoints):
@@ -88,7 +88,7 @@ def test_a_step_no_graph_fits_runs_eagerly(tiny_checkpoints):
 
     engine = make_engine(tiny_checkpoints["llama"], "device.compile=true")
     runner = engine.executor.runner
-    compiled = runner.compiled
+    compiled = runner.decode.compiled
     meta = runner.model.backend.build_metadata([1, 1], [5, 9], [[1], [2]], runner.memory.block_size)
     ids, positions = torch.tensor([11, 12], dtype=torch.int32), torch.tensor([4, 8])
     with torch.inference_mode():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshserve.configs import Config, ConfigError, load_config
-from meshserve.configs.loader import BUILTIN_SOURCE, parse_override
+from meshserve.configs.config_file import BUILTIN_SOURCE, parse_override
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
 from meshserve.launcher.cli import main

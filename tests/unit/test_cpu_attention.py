@@ -1,4 +1,5 @@
-"""The cpu backend's C++ paged decode attention (meshserve.layers.kernels.cpu_attention)
+"""The cpu backend's C++ paged decode attention (meshserve.layers.kernels.cpu_attention), in
+every build this CPU runs (the `cpu_build` fixture),
 against softmax attention in float64 over the same cached tokens: float32, bf16 and
 float16; head sizes on its vector path (multiples of 16) and off it; GQA groups of 1 to
 6 (its block path takes up to 4 query heads at a time); blocks of up to 16 tokens (the
@@ -17,12 +18,11 @@ import pytest
 import torch
 
 from meshserve.layers.attention import build_attention_metadata, paged_attention
-from meshserve.layers.kernels.cpu_backend import CpuBackend, build_cpu_metadata
-from meshserve.layers.kernels import cpu_attention
+from meshserve.layers.cpu_backend import CpuBackend, build_cpu_metadata
+from meshserve.layers.kernels import cpu_attention, cpu_library
 from support.kernel_cases import math_attention
 
-pytestmark = [pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel"),
-              pytest.mark.usefixtures("cpu_isa")]
+pytestmark = pytest.mark.skipif(cpu_library.load() is None, reason="no C++ compiler for the cpu backend's kernel")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -64,33 +64,34 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 24), (12, 2, 64)])
 @pytest.mark.parametrize("n,block_size,lens", [(1, 16, [1]), (2, 4, [4, 9]), (3, 16, [16, 33, 200]), (2, 32, [5, 70]),
                                                (12, 8, [1, 2, 7, 8, 9, 15, 16, 17, 40, 63, 64, 100])])
-def test_matches_float64_attention(dtype, heads, kv_heads, head_dim, n, block_size, lens, two_threads):
+def test_matches_float64_attention(dtype, heads, kv_heads, head_dim, n, block_size, lens, two_threads, cpu_build):
     q, k_cache, v_cache, tables, lens_t = make_case(n, heads, kv_heads, head_dim, block_size, lens, dtype)
     scale = head_dim ** -0.5
-    got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale)
+    got = cpu_attention.paged_decode_attention(cpu_build, q, k_cache, v_cache, tables, lens_t, scale)
     assert got.shape == q.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, tables, lens_t, scale),
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_non_contiguous_queries_and_tokens_past_the_length_are_ignored():
+def test_non_contiguous_queries_and_tokens_past_the_length_are_ignored(cpu_build):
     q, k_cache, v_cache, tables, lens = make_case(4, 9, 3, 64, 16, [5, 16, 17, 30], torch.float32)
     wide = torch.randn(4, 9, 128)
     wide[..., ::2] = q  # a strided view of the same queries
-    want = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
-    torch.testing.assert_close(cpu_attention.paged_decode_attention(wide[..., ::2], k_cache, v_cache, tables, lens,
-                                                                    0.125), want)
+    want = cpu_attention.paged_decode_attention(cpu_build, q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(cpu_attention.paged_decode_attention(cpu_build, wide[..., ::2], k_cache, v_cache,
+                                                                    tables, lens, 0.125), want)
     for i, length in enumerate(lens.tolist()):  # garbage in the cache beyond each length changes nothing
         blocks = tables[i]
         flat = k_cache[blocks].flatten(0, 1)
         flat[length:] = 1e4
         k_cache[blocks] = flat.view(len(blocks), 16, 3, 64)
-    torch.testing.assert_close(cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), want)
+    torch.testing.assert_close(cpu_attention.paged_decode_attention(cpu_build, q, k_cache, v_cache, tables, lens,
+                                                                    0.125), want)
 
 
-def test_inside_torch_compile_with_dynamic_batch():
+def test_inside_torch_compile_with_dynamic_batch(cpu_build):
     def step(q, k_cache, v_cache, tables, lens):
-        return cpu_attention.paged_decode_attention(q * 2, k_cache, v_cache, tables, lens, 0.125) + 1
+        return cpu_attention.paged_decode_attention(cpu_build, q * 2, k_cache, v_cache, tables, lens, 0.125) + 1
 
     compiled = torch.compile(step, dynamic=True, fullgraph=True)
     for n, lens in ((2, [3, 40]), (5, [1, 16, 17, 8, 33])):
@@ -98,9 +99,9 @@ def test_inside_torch_compile_with_dynamic_batch():
         torch.testing.assert_close(compiled(*args), step(*args))
 
 
-def test_bad_tables_are_refused_with_the_numbers():
+def test_bad_tables_are_refused_with_the_numbers(cpu_build):
     q, k_cache, v_cache, tables, lens = make_case(2, 9, 3, 64, 16, [5, 20], torch.float32)
-    op = cpu_attention.paged_decode_attention
+    op = cpu_build.ops.paged_decode_attention
     with pytest.raises(RuntimeError, match=r"sequence 1 has length 999, its block table holds 48"):
         op(q, k_cache, v_cache, tables, torch.tensor([5, 999]), 0.125)
     with pytest.raises(RuntimeError, match=r"sequence 0 has length 0"):
@@ -115,10 +116,10 @@ def test_bad_tables_are_refused_with_the_numbers():
         op(q, k_cache, v_cache, tables.int(), lens, 0.125)
 
 
-def test_model_with_cpu_backend_matches_torch_backend(tiny_checkpoints):
+def test_model_with_cpu_backend_matches_torch_backend(tiny_checkpoints, cpu_build):
     from support.kernel_cases import compare_backends
 
-    r = compare_backends(str(tiny_checkpoints["llama"]), torch.float32, "cpu", other="cpu")
+    r = compare_backends(str(tiny_checkpoints["llama"]), torch.float32, "cpu", other="cpu", library=cpu_build)
     assert r["cpu"] == r["torch"], "greedy tokens differ"
     assert len(r["torch"]) == 3 and all(len(t) == 6 for t in r["torch"])
     assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"], (r["logits_max_diff"], r["logits_scale"])
@@ -138,11 +139,11 @@ def fused_projection(tokens, heads, kv_heads, head_dim, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (12, 2, 64), (4, 4, 32), (6, 2, 24)])
-def test_prefill_kernel_matches_float64_causal_attention(dtype, heads, kv_heads, head_dim, two_threads):
+def test_prefill_kernel_matches_float64_causal_attention(dtype, heads, kv_heads, head_dim, two_threads, cpu_build):
     tokens = SPANS[-1][0] + SPANS[-1][1]
     q, k, v = fused_projection(tokens, heads, kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    got = cpu_attention.prefill_attention(q, k, v, torch.tensor(SPANS), scale)
+    got = cpu_attention.prefill_attention(cpu_build, q, k, v, torch.tensor(SPANS), scale)
     assert got.shape == q.shape and got.dtype == dtype
     for start, length in SPANS:
         rows = slice(start, start + length)
@@ -150,15 +151,15 @@ def test_prefill_kernel_matches_float64_causal_attention(dtype, heads, kv_heads,
         torch.testing.assert_close(got[rows].double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_prefill_kernel_refuses_chunks_outside_the_batch():
+def test_prefill_kernel_refuses_chunks_outside_the_batch(cpu_build):
     q, k, v = fused_projection(10, 9, 3, 64, torch.float32)
     with pytest.raises(RuntimeError, match=r"chunk 1 covers rows 6..12 of 10"):
-        cpu_attention.prefill_attention(q, k, v, torch.tensor([[0, 6], [6, 6]]), 0.125)
+        cpu_attention.prefill_attention(cpu_build, q, k, v, torch.tensor([[0, 6], [6, 6]]), 0.125)
     with pytest.raises(RuntimeError, match=r"chunks is \(n, 2\) int64"):
-        cpu_attention.prefill_attention(q, k, v, torch.tensor([0, 6]), 0.125)
+        cpu_attention.prefill_attention(cpu_build, q, k, v, torch.tensor([0, 6]), 0.125)
 
 
-def test_a_step_with_fresh_and_prefixed_chunks_and_a_decode_matches_the_torch_backend():
+def test_a_step_with_fresh_and_prefixed_chunks_and_a_decode_matches_the_torch_backend(cpu_build):
     """Sequence A prefills 40 tokens, B 30; then A takes a 20-token chunk after its cached
     prefix (SDPA), C prefills 50 fresh (the kernel) and B decodes (the decode kernel)."""
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
@@ -177,7 +178,7 @@ def test_a_step_with_fresh_and_prefixed_chunks_and_a_decode_matches_the_torch_ba
         fresh = [[start, length] for start, length, total in zip(fast_meta.query_start_loc, query_lens, seq_lens)
                  if length > 1 and length == total]
         assert fast_meta.fresh_chunks.tolist() == fresh
-        fast = CpuBackend.attention(q, k, v, caches["cpu"], fast_meta, head_dim ** -0.5)
+        fast = CpuBackend(cpu_build).attention(q, k, v, caches["cpu"], fast_meta, head_dim ** -0.5)
         want = paged_attention(q, k, v, caches["torch"], build_attention_metadata(query_lens, seq_lens, step_tables,
                                                                                  block), head_dim ** -0.5)
         torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)

@@ -93,8 +93,8 @@ def test_a_second_process_loads_the_built_library_without_the_compiler():
     if not cpu_library.library("scalar"):
         pytest.skip("no C++ compiler for the CPU kernels")
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
-            "from meshserve.layers.kernels import cpu_library as c; assert c.select('scalar'); "
-            "import torch; x = torch.randn(3, 8); print(bool((c.ops.silu_and_mul(x) - "
+            "from meshserve.layers.kernels import cpu_library as c; lib = c.load('scalar'); assert lib; "
+            "import torch; x = torch.randn(3, 8); print(bool((lib.ops.silu_and_mul(x) - "
             "torch.nn.functional.silu(x[:, :4]) * x[:, 4:]).abs().max() < 1e-5))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -124,25 +124,35 @@ def test_the_cached_gguf_header_and_tokenizer_match_uncached_reads(smollm2, tmp_
     assert saved.decode(ids) == converted.decode(ids)
 
 
-def test_the_start_up_line_names_the_build_and_the_kernels(cpu_isa):
+def test_the_start_up_line_names_the_build_and_the_kernels(cpu_build):
+    """The line is what the chosen objects say: the backend and the matmul plan, whose dense
+    kernel says `kept in bf16` once every weight it prepared was kept so."""
     import torch
 
     from meshserve.layers.backend import TorchBackend, kernel_summary
-    from meshserve.layers.kernels.cpu_backend import CpuBackend
+    from meshserve.layers.cpu_backend import CpuBackend
+    from meshserve.layers.matmul_plan import plan_matmuls
 
-    line = kernel_summary(CpuBackend(), torch.float32, "none", 64)
-    assert f"C++ paged decode ({cpu_isa} build)" in line and f"norm/act/rotary: C++ ({cpu_isa} build)" in line
-    assert ("prefill C++ causal" in line) == (cpu_isa == "avx512")
-    if cpu_isa != "scalar":
-        isa = {"avx2": "AVX2", "avx512": "AVX-512"}[cpu_isa]
-        assert line.startswith(f"matmul: C++ {isa} on float32 weights in panels;")
-        kept = kernel_summary(CpuBackend(), torch.float32, "none", 64, kept_in_bf16=True)
-        assert kept.startswith(f"matmul: C++ {isa} on float32 weights in panels kept in bf16")
+    isa = cpu_build.isa
+    plan = plan_matmuls("cpu", torch.float32, library=cpu_build)
+    line = kernel_summary(CpuBackend(cpu_build), plan, 64)
+    assert f"C++ paged decode ({isa} build)" in line and f"norm/act/rotary: C++ ({isa} build)" in line
+    assert ("prefill C++ causal" in line) == (isa == "avx512")
+    if isa != "scalar":
+        name = {"avx2": "AVX2", "avx512": "AVX-512"}[isa]
+        assert line.startswith(f"matmul: C++ {name} on float32 weights in panels;")
+        plan.linear.prepare(torch.randn(32, 16).bfloat16().float())  # a bf16 checkpoint's numbers
+        kept = kernel_summary(CpuBackend(cpu_build), plan, 64)
+        assert kept.startswith(f"matmul: C++ {name} on float32 weights in panels kept in bf16")
     else:
         assert line.startswith("matmul: oneDNN packed float32" if torch.backends.mkldnn.is_available() else "matmul: torch")
-    assert kernel_summary(TorchBackend(), torch.bfloat16, "int4", 64) == (
-        "matmul: int4 groups (torch's _weight_int4pack_mm), the head int8; attention, norm/act: torch backend")
-    assert kernel_summary(TorchBackend(), torch.float32, "int8", 64).startswith(
+    int4 = plan_matmuls("cpu", torch.bfloat16, "int4", cpu_build)
+    head = ("int8 weights times int8 rows (torch's _int_mm)" if cpu_features().vnni
+            else "int8 weights (torch's _weight_int8pack_mm)")
+    assert kernel_summary(TorchBackend(), int4, 64) == (
+        f"matmul: int4 groups (torch's _weight_int4pack_mm), the head {head}; attention, norm/act: torch backend")
+    assert kernel_summary(TorchBackend(), plan_matmuls("cpu", torch.float32, "int8", cpu_build), 64).startswith(
         "matmul: int8 weights (torch's _weight_int8pack_mm) on bfloat16 inputs;")
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported() and cpu_isa != "avx2":
-        assert "oneDNN float32 on widened weights" in kernel_summary(TorchBackend(), torch.bfloat16, "none", 64)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported() and isa != "avx2":
+        bf16 = plan_matmuls("cpu", torch.bfloat16, library=cpu_build)
+        assert "oneDNN float32 on widened weights" in kernel_summary(TorchBackend(), bf16, 64)

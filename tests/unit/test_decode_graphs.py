@@ -12,6 +12,7 @@ from meshserve.comm.groups import AxisGroup
 from meshserve.configs.model_info import read_model_info
 from meshserve.engine.decode_graphs import DecodeGraphs, batch_buckets, bucket_for
 from meshserve.layers.backend import select_backend
+from meshserve.layers.kernels import cpu_library
 from meshserve.layers.loader import build_model
 
 BLOCK, BLOCKS, MAX_LEN = 4, 64, 48
@@ -34,7 +35,9 @@ def caches(info, kv_heads, seed):
 @pytest.mark.parametrize("kind,backend", [("llama", "torch"), ("qwen3", "cpu")])
 def test_graph_steps_equal_eager_steps(tiny_checkpoints, kind, backend):
     info = read_model_info(str(tiny_checkpoints[kind]))
-    model = build_model(info, AxisGroup.single("tp"), torch.float32, max_position=MAX_LEN, backend=select_backend(backend, torch.device("cpu")))
+    library = cpu_library.load()
+    model = build_model(info, AxisGroup.single("tp"), torch.float32, max_position=MAX_LEN,
+                        backend=select_backend(backend, torch.device("cpu"), library), library=library)
     kv_heads = model.model.layers[0].self_attn.local_num_kv_heads
     eager_kv, graph_kv = caches(info, kv_heads, 0), caches(info, kv_heads, 0)
     graphs = DecodeGraphs(model, graph_kv, BLOCK, MAX_LEN, scratch_block=BLOCKS, max_batch=8, device=torch.device("cpu"))
@@ -81,7 +84,7 @@ def test_an_engine_whose_decode_steps_replay_graphs_generates_the_same(tiny_chec
     want = [c.token_ids for c in generate(make_engine(path, *sets), prompts, params)]
     monkeypatch.setattr(build, "uses_decode_graphs", lambda config: True)
     engine = make_engine(path, *sets)
-    graphs = engine.executor.runner.graphs
+    graphs = engine.executor.runner.decode.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
     assert [c.token_ids for c in generate(engine, prompts, params)] == want
     assert graphs.replays > 10

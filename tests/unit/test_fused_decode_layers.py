@@ -1,5 +1,6 @@
-"""The decoder layers in one C++ call for eager decode steps (layers/kernels/cpu_decode_layers):
-taken in the avx2 and avx512 builds where every op is one of meshserve's kernels, it gives the tokens of
+"""The decoder layers in one C++ call for eager decode steps (layers/fused_decode.py):
+taken in the avx2 and avx512 builds where every op is one of meshserve's kernels (bf16 weights
+only on CPUs without bf16 dot products, where meshserve's product multiplies them), it gives the tokens of
 the Python loop over the layers and of transformers, alone and batched, in float32 and
 bfloat16; a later pipeline stage's input (a residual given) gives the loop's hidden states and
 cache rows; models or caches it does not cover keep the Python loop."""
@@ -12,7 +13,6 @@ import torch
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.engine.offline import generate
-from meshserve.layers.kernels import cpu_library
 from support.engines import make_engine
 from support.reference import hf_greedy, hf_model
 
@@ -23,13 +23,6 @@ AVX2 = ("model.dtype=float32", "device.cpu_isa=avx2", "cache.block_size=4", "cac
 VECTOR_ISAS = [isa for isa in ("avx512", "avx2") if cpu_features().runs(isa)]
 
 pytestmark = pytest.mark.skipif(not VECTOR_ISAS, reason="the fused call is the vector builds'")
-
-
-@pytest.fixture(autouse=True)
-def _restore_the_build():
-    before = cpu_library.selected_isa
-    yield
-    cpu_library.select(before or "auto")
 
 
 class Counting:
@@ -53,13 +46,17 @@ def _tokens(engine, prompts=PROMPTS, new_tokens=NEW_TOKENS):
 def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoints, dtype, isa):
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, *AVX2, f"model.dtype={dtype}", f"device.cpu_isa={isa}")
-    model = engine.executor.runner.model.model
-    assert model.fused_decode is not None
-    counting = model.fused_decode.op = Counting(model.fused_decode.op)
+    eager = engine.executor.runner.decode.eager
+    if dtype == "bfloat16" and cpu_features().bf16_compute:  # bf16 products are oneDNN's there
+        assert eager.fused is None and "oneDNN packed bfloat16" in engine.executor.runner.model.matmuls.describe()
+        assert _tokens(engine) == [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
+        return
+    assert eager.fused is not None
+    counting = eager.fused.op = Counting(eager.fused.op)
     alone = [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
     batched = _tokens(engine)
     assert counting.calls >= sum(NEW_TOKENS) - len(PROMPTS)  # every decode step took it
-    model.fused_decode = None
+    eager.fused = None
     assert batched == alone == _tokens(engine)
     if dtype == "float32":
         ref = hf_model(path)
@@ -72,8 +69,6 @@ def test_a_bf16_checkpoint_served_in_float32_keeps_its_weights_in_bf16(tiny_chec
     transformers' float32 ones on the same checkpoint, alone and batched."""
     import shutil
 
-    from meshserve.layers.matmul import kept_in_bf16
-
     source = tiny_checkpoints["llama"]
     path = tmp_path / "bf16"
     hf_model(source).to(torch.bfloat16).save_pretrained(str(path), safe_serialization=True)
@@ -82,13 +77,15 @@ def test_a_bf16_checkpoint_served_in_float32_keeps_its_weights_in_bf16(tiny_chec
             shutil.copy(f, path / f.name)
     engine = make_engine(path, *AVX2)
     model = engine.executor.runner.model
-    kept, dense = kept_in_bf16(model)
+    kept, dense = model.matmuls.kept_in_bf16()
     assert dense > 0 and kept == dense
+    assert "weights in panels kept in bf16" in model.matmuls.describe()
     assert model.model.embed_tokens(torch.tensor([3, 7])).dtype == torch.float32
-    assert model.model.fused_decode is not None
+    assert engine.executor.runner.decode.eager.fused is not None
     ref = hf_model(path)
     assert _tokens(engine) == [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
-    assert kept_in_bf16(make_engine(source, *AVX2).executor.runner.model) == (0, dense)  # float32 numbers stay
+    float32 = make_engine(source, *AVX2).executor.runner.model.matmuls
+    assert float32.kept_in_bf16() == (0, dense) and "kept in bf16" not in float32.describe()  # float32 numbers stay
 
 
 def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tiny_checkpoints):
@@ -97,7 +94,7 @@ def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tin
     residual)."""
     engine = make_engine(tiny_checkpoints["llama"], *AVX2)
     runner = engine.executor.runner
-    model, backend = runner.model.model, runner.model.backend
+    model, backend, fused_layers = runner.model.model, runner.model.backend, runner.decode.eager.fused
     info = runner.info
     g = torch.Generator().manual_seed(0)
     n, block = 3, 4
@@ -113,7 +110,7 @@ def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tin
     caches = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in model.layers]
     copies = [(k.clone(), v.clone()) for k, v in caches]
     with torch.no_grad():
-        fused = model.fused_decode(rope, hidden, residual, caches, meta)
+        fused = fused_layers(rope, hidden, residual, caches, meta)
         h, r = hidden, residual
         for layer, kv in zip(model.layers, copies):
             h, r = layer(rope, h, r, kv, meta)
@@ -129,15 +126,17 @@ def test_what_it_does_not_cover_keeps_the_loop(tiny_checkpoints):
     without it; an int8 cache runs the loop in each step and still gives the loop's
     tokens."""
     qwen3 = make_engine(tiny_checkpoints["qwen3"], *AVX2)
-    assert qwen3.executor.runner.model.model.fused_decode is None
+    assert qwen3.executor.runner.decode.eager.fused is None
+    assert "eager steps: the Python layer loop" in qwen3.executor.runner.decode.describe()
     int4 = make_engine(tiny_checkpoints["llama"], *AVX2, "model.quantization=int4")
-    assert int4.executor.runner.model.model.fused_decode is None
+    assert int4.executor.runner.decode.eager.fused is None
     scalar = make_engine(tiny_checkpoints["llama"], *AVX2, "device.cpu_isa=scalar")
-    assert scalar.executor.runner.model.model.fused_decode is None
+    assert scalar.executor.runner.decode.eager.fused is None
     int8 = make_engine(tiny_checkpoints["llama"], *AVX2, "cache.dtype=int8")
-    model = int8.executor.runner.model.model
-    counting = model.fused_decode.op = Counting(model.fused_decode.op)
+    eager = int8.executor.runner.decode.eager
+    assert "eager steps: the layers in one C++ call" in int8.executor.runner.decode.describe()
+    counting = eager.fused.op = Counting(eager.fused.op)
     with_it = _tokens(int8)
     assert counting.calls == 0
-    model.fused_decode = None
+    eager.fused = None
     assert with_it == _tokens(int8)

@@ -17,11 +17,11 @@ from meshserve.configs.validate import check_config
 from meshserve.engine.offline import generate
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import select_backend
-from meshserve.layers.kernels import cpu_attention
+from meshserve.layers.kernels import cpu_attention, cpu_library
 from support.engines import make_engine
 from support.kernel_cases import OUT_TOL, gather, math_attention
 
-native = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernels")
+native = pytest.mark.skipif(cpu_library.load() is None, reason="no C++ compiler for the cpu backend's kernels")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -41,9 +41,9 @@ def test_rows_round_trip_within_half_a_code(dtype):
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(5, 3, 64), (1, 1, 128), (33, 2, 24), (4, 16, 8, 64)])
-def test_cpp_quantizer_matches_torch(dtype, shape, cpu_isa):
+def test_cpp_quantizer_matches_torch(dtype, shape, cpu_build):
     x = torch.randn(shape).to(dtype)
-    got, want = kv_quant.quantize_native(x), kv_quant.quantize(x)
+    got, want = cpu_build.ops.quantize_kv_int8(x), kv_quant.quantize(x)
     assert got.shape == want.shape and got.dtype == torch.int8
     assert (got[..., :-4].int() - want[..., :-4].int()).abs().max() <= 1  # a tie may round either way
     torch.testing.assert_close(got[..., -4:].contiguous().view(torch.float32),
@@ -67,10 +67,10 @@ def random_int8_case(n, heads, kv_heads, head_dim, block_size, lens, dtype, seed
 @pytest.mark.parametrize("n,block_size,lens", [(1, 16, [1]), (3, 16, [16, 33, 200]), (2, 32, [5, 70]),
                                                (12, 8, [1, 2, 7, 8, 9, 15, 16, 17, 40, 63, 64, 100])])
 def test_decode_kernel_over_int8_matches_the_dequantized_cache(dtype, heads, kv_heads, head_dim, n, block_size, lens,
-                                                               cpu_isa):
+                                                               cpu_build):
     q, k8, v8, tables, lens_t = random_int8_case(n, heads, kv_heads, head_dim, block_size, lens, dtype)
     scale = head_dim ** -0.5
-    got = cpu_attention.paged_decode_attention(q, k8, v8, tables, lens_t, scale)
+    got = cpu_attention.paged_decode_attention(cpu_build, q, k8, v8, tables, lens_t, scale)
     assert got.shape == q.shape and got.dtype == dtype
     k, v = kv_quant.dequantize(k8, torch.float32), kv_quant.dequantize(v8, torch.float32)
     want = torch.cat([math_attention(q[i:i + 1], gather(k, tables[i].tolist(), length),
@@ -79,7 +79,7 @@ def test_decode_kernel_over_int8_matches_the_dequantized_cache(dtype, heads, kv_
                       for i, length in enumerate(lens)])
     torch.testing.assert_close(got.double(), want, atol=OUT_TOL[dtype], rtol=OUT_TOL[dtype])
     if dtype == torch.float32:
-        torch.testing.assert_close(got, cpu_attention.paged_decode_attention(q, k, v, tables, lens_t, scale),
+        torch.testing.assert_close(got, cpu_attention.paged_decode_attention(cpu_build, q, k, v, tables, lens_t, scale),
                                    atol=1e-5, rtol=1e-5)
 
 
@@ -87,8 +87,8 @@ def test_decode_kernel_over_int8_matches_the_dequantized_cache(dtype, heads, kv_
 def test_decode_kernel_refuses_an_int8_cache_of_the_wrong_row_length():
     q, k8, v8, tables, lens = random_int8_case(2, 9, 3, 64, 16, [5, 20], torch.float32)
     with pytest.raises(RuntimeError, match=r"q.s head_dim \(64\) long, plus 4 bytes of scale for int8 \(got 64\)"):
-        cpu_attention.paged_decode_attention(q, k8[..., :64].contiguous(), v8[..., :64].contiguous(), tables, lens,
-                                             0.125)
+        cpu_attention.paged_decode_attention(cpu_library.load(), q, k8[..., :64].contiguous(),
+                                             v8[..., :64].contiguous(), tables, lens, 0.125)
 
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
@@ -113,7 +113,7 @@ def test_paged_attention_over_an_int8_cache_matches_dense_attention_over_its_con
     """Step 1 prefills A and B (attending to their unquantized K/V); step 2 prefills a
     second chunk of A over its cached prefix and decodes one token of B, both reading the
     int8 cache (the chunk's own rows too, as stored)."""
-    impl = select_backend(backend)
+    impl = select_backend(backend, library=cpu_library.load())
     torch.manual_seed(0)
     first, second, other = 70, 21, 30
     total_a, total_b = first + second, other + 1
@@ -182,7 +182,7 @@ def test_engine_with_int8_cache_compiled_matches_eager_and_stays_near_the_full_c
     engine = make_engine(path, *settings, "cache.dtype=int8", "device.compile=true")
     compiled = generate(engine, PROMPTS, params)
     assert engine.executor.runner.kv_caches[0][0].dtype == torch.int8
-    assert engine.executor.runner.compiled.steps > 0 and engine.executor.runner.compiled.eager_steps == 0
+    assert engine.executor.runner.decode.compiled.steps > 0 and engine.executor.runner.decode.compiled.eager_steps == 0
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
     for a, b in zip(compiled, eager):
         for x, y in zip(a.logprobs, b.logprobs):

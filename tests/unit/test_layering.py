@@ -1,12 +1,14 @@
-"""The architecture of DESIGN.md, checked on the source (ast) and at run time:
+"""The architecture (docs/architecture.md), checked on the source (ast) and at run time:
 
     configs <- comm <- parallel <- layers <- engine <- launcher
 
 A package imports meshserve.X only for X to its left or itself; `client` imports only
 `comm` and itself; the engine core (engine/*) never imports the serving front
-(engine/serving/), and only the serving front imports the web stack; `configs` and `client` never import torch; nothing unpickles; layers
-receive their groups instead of asking torch.distributed; only the launcher reads the
-environment.
+(engine/serving/), and only the serving front imports the web stack; layers/kernels/ is a
+leaf; the OpenAI serving layer never imports the transport beneath it; only
+engine/serving/frontends.py constructs a frontend (launcher/ never does); `configs` and
+`client` never import torch; nothing unpickles; layers receive their groups instead of
+asking torch.distributed; only the launcher reads the environment.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def test_import_layering():
                 continue
             if parts[1] not in ALLOWED[src.package]:
                 violations.append(f"{src.rel}:{line}: {src.package} imports {mod}")
-    assert not violations, "layering broken (DESIGN.md):\n" + "\n".join(violations)
+    assert not violations, "layering broken (docs/architecture.md):\n" + "\n".join(violations)
 
 
 def test_layering_check_sees_real_imports():
@@ -131,6 +133,79 @@ def test_serving_rule_detector_works():
     front = Source("engine", ROOT / "engine" / "serving" / "y.py", "meshserve.engine.serving.y",
                    ast.parse("import fastapi\nfrom meshserve.engine.engine import Engine\n"))
     assert len(_serving_rule_violations([core, front])) == 2
+
+
+KERNELS = "meshserve.layers.kernels"
+KERNEL_MAY_IMPORT = (KERNELS, "meshserve.configs")
+"""The kernels and their bindings are a leaf: they know the build cache and the CPU's
+features (configs), never the model, the backends or the engine that call them."""
+
+
+def _kernel_rule_violations(srcs) -> list[str]:
+    return [f"{src.rel}:{line}: a kernel module imports {mod}" for src in srcs
+            if src.module == KERNELS or src.module.startswith(KERNELS + ".")
+            for line, mod in imported_modules(src)
+            if mod.startswith("meshserve") and not any(mod == m or mod.startswith(m + ".") for m in KERNEL_MAY_IMPORT)]
+
+
+def test_the_kernels_are_a_leaf():
+    assert not _kernel_rule_violations(sources()), "\n".join(_kernel_rule_violations(sources()))
+    assert sum(src.module.startswith(KERNELS + ".") for src in sources()) >= 5
+
+
+def test_kernel_rule_detector_works():
+    kernel = Source("layers", ROOT / "layers" / "kernels" / "k.py", "meshserve.layers.kernels.k",
+                    ast.parse("from meshserve.layers.backend import Backend\nfrom meshserve.layers import llama\n"
+                              "from meshserve.configs.artifact_cache import CACHE_ROOT\nfrom . import rotary\n"))
+    assert [v.split(": ")[1] for v in _kernel_rule_violations([kernel])] == [
+        "a kernel module imports meshserve.layers.backend", "a kernel module imports meshserve.layers"]
+
+
+TRANSPORT = {f"{SERVING}.{m}" for m in ("http_frontend", "http_app", "http_protocol", "zmq_frontend", "server",
+                                        "frontends")}
+"""The transports of the serving front: the HTTP and ZMQ frontends, the step loop's server and
+their assembly. The OpenAI pipelines are written against engine_link.EngineLink instead."""
+OPENAI_LAYER = ("openai_", "responses_api", "tokenize_api", "request_body", "structured_request", "tools")
+
+
+def _openai_layer(src: Source) -> bool:
+    return src.module.startswith(SERVING + ".") and src.module[len(SERVING) + 1:].startswith(OPENAI_LAYER)
+
+
+def _transport_rule_violations(srcs) -> list[str]:
+    return [f"{src.rel}:{line}: the OpenAI serving layer imports the transport ({mod})" for src in srcs
+            if _openai_layer(src) for line, mod in imported_modules(src)
+            if any(mod == t or mod.startswith(t + ".") for t in TRANSPORT)]
+
+
+def test_the_openai_serving_layer_never_imports_the_transport():
+    assert not _transport_rule_violations(sources()), "\n".join(_transport_rule_violations(sources()))
+    layer = {src.module.rsplit(".", 1)[-1] for src in sources() if _openai_layer(src)}
+    assert {"openai_serving", "openai_generation", "responses_api", "tokenize_api"} <= layer
+
+
+def test_transport_rule_detector_works():
+    pipeline = Source("engine", ROOT / "engine" / "serving" / "openai_x.py", f"{SERVING}.openai_x",
+                      ast.parse("from meshserve.engine.serving.http_frontend import HttpFrontend\n"
+                                "from meshserve.engine.serving.engine_link import EngineLink\n"))
+    transport = Source("engine", ROOT / "engine" / "serving" / "http_app.py", f"{SERVING}.http_app",
+                       ast.parse("from meshserve.engine.serving.http_frontend import HttpFrontend\n"))
+    assert len(_transport_rule_violations([pipeline, transport])) == 1
+
+
+FRONTENDS = {"HttpFrontend", "ZmqFrontend"}
+
+
+def test_one_assembly_of_the_frontends():
+    """engine/serving/frontends.py (build_frontends) is the only package code that constructs
+    a frontend or imports the modules that define them; launcher/ starts processes and
+    calls it."""
+    found = _constructions([(s.rel, s.tree) for s in sources()], FRONTENDS)
+    assert found and all(f.startswith("engine/serving/frontends.py:") for f in found), "\n".join(found)
+    defining = {f"{SERVING}.http_frontend", f"{SERVING}.zmq_frontend"}
+    launcher = [f"{src.rel}:{line}: {mod}" for src in sources() if src.package == "launcher"
+                for line, mod in imported_modules(src) if mod in defining]
+    assert not launcher, "launcher/ never constructs a frontend:\n" + "\n".join(launcher)
 
 
 @pytest.mark.parametrize("package", ["configs", "client"])
@@ -237,7 +312,7 @@ def rank_queries(tree: ast.Module) -> list[tuple[int, str]]:
 def test_layers_never_ask_torch_distributed_for_ranks():
     bad = [f"{src.rel}:{line}: {what}" for src in sources() if src.package == "layers"
            for line, what in rank_queries(src.tree)]
-    assert not bad, "layers receive their group in the constructor (STYLE.md):\n" + "\n".join(bad)
+    assert not bad, "layers receive their group in the constructor (docs/architecture.md):\n" + "\n".join(bad)
 
 
 def test_rank_query_detector_works():
@@ -263,7 +338,7 @@ def env_uses(src: Source) -> list[str]:
 
 def test_only_the_launcher_reads_the_environment():
     bad = [u for src in sources() if src.package != "launcher" for u in env_uses(src)]
-    assert not bad, "only launcher/ reads environment variables (STYLE.md):\n" + "\n".join(bad)
+    assert not bad, "only launcher/ reads environment variables (docs/architecture.md):\n" + "\n".join(bad)
     # and the detector does see the launcher's own reads
     assert any(env_uses(src) for src in sources() if src.package == "launcher")
 

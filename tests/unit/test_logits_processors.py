@@ -2,7 +2,7 @@
 (layers/logits_processors.py, through layers/sampler.py): repetition, frequency and presence
 penalties, logit_bias, min_p and a grammar's token bitmask, each against a plain loop
 written here, on the C++ sampling path and the torch one; include_stop_str_in_output
-(engine/output.py); logit_bias ids checked at admission (engine/admission.py)."""
+(engine/output_processor.py); logit_bias ids checked at admission (engine/admission.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from meshserve.comm.messages import Delta, SamplingParams
 from meshserve.configs.model_info import read_model_info
 from meshserve.engine.admission import RequestError, check_params
-from meshserve.engine.output import OutputProcessor, RequestState
+from meshserve.engine.output_processor import OutputProcessor, RequestState
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.layers import logits_processors
@@ -25,6 +25,7 @@ from meshserve.layers import sampler as sampler_module
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.logits_processors import apply_processors, check_bitmask, unpack_bitmask
 from meshserve.layers.sampler import Sampler, SamplingRow
+from support.threads import one_torch_thread  # noqa: F401 (autouse: one intra-op thread here)
 
 EOS = 2
 VOCAB = 300
@@ -53,25 +54,16 @@ PARAMS = [
 PROCESSOR_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_p")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small tensors: intra-op threads only add overhead on 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(params=["native", "torch"])
-def backend(request, monkeypatch):
-    """The C++ sampling op (cpu_sample.cpp) or the torch-op path (CUDA, or no compiler)."""
-    if request.param == "native":
-        if not cpu_library.available():
-            pytest.skip("no C++ compiler for the CPU kernels")
-    else:  # the torch ops for the grammar masks too
-        monkeypatch.setattr(sampler_module, "native_sampling", lambda logits: False)
-        monkeypatch.setattr(logits_processors, "native_masking", lambda logits: False)
-    return request.param
+def backend(request):
+    """The C++ library whose ops sample and mask (cpu_sample.cpp), or None: the torch-op
+    path (CUDA, or no compiler), for the grammar masks too."""
+    if request.param == "torch":
+        return None
+    library = cpu_library.load()
+    if library is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    return library
 
 
 def make_rows(rng: random.Random, params: list[dict], vocab: int = VOCAB) -> list[SamplingRow]:
@@ -194,8 +186,8 @@ def test_a_batch_without_processors_never_calls_them(monkeypatch):
 # ---------------------------------------------------------------- through the sampler
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int = 0, **kw):
-    return Sampler((EOS,), seed)(logits.clone(), rows, **kw)
+def sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int = 0, library=None, **kw):
+    return Sampler((EOS,), seed, library)(logits.clone(), rows, **kw)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -207,8 +199,8 @@ def test_sampled_tokens_are_those_of_the_reference_logits(backend, seed):
     rows = make_rows(rng, PARAMS * 2)
     logits = random_logits(100 + seed, len(rows))
     want = torch.stack([reference(logits[i], r)[0] for i, r in enumerate(rows)]).float()
-    got, _ = sample(logits, rows, seed=seed)
-    expected, _ = sample(want, [plain(r) for r in rows], seed=seed)
+    got, _ = sample(logits, rows, seed=seed, library=backend)
+    expected, _ = sample(want, [plain(r) for r in rows], seed=seed, library=backend)
     assert got == expected
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     assert [got[i] for i in greedy] == want[greedy].argmax(-1).tolist()
@@ -228,11 +220,12 @@ def test_seeded_row_samples_the_same_whatever_shares_its_batch(backend):
         others = make_rows(rng, [dict(), dict(repetition_penalty=1.5, temperature=0.0), dict(min_p=0.2, top_k=30),
                                  dict(logit_bias=[(0, 50.0)], seed=5)], vocab)
         # Batch A: alone. Batch B: third, among rows with other processors, one of them masked.
-        a = sample(mine[None], [me], seed=n)[0][0]
+        a = sample(mine[None], [me], seed=n, library=backend)[0][0]
         b_logits = torch.stack([torch.randn(vocab, generator=g), torch.randn(vocab, generator=g), mine,
                                 torch.randn(vocab, generator=g), torch.randn(vocab, generator=g)])
         mask = pack_bitmask(torch.rand(1, vocab, generator=g) < 0.5)
-        b = sample(b_logits, others[:2] + [me] + others[2:], seed=1000 + n, bitmask=mask, bitmask_rows=[3])[0][2]
+        b = sample(b_logits, others[:2] + [me] + others[2:], seed=1000 + n, bitmask=mask, bitmask_rows=[3],
+                   library=backend)[0][2]
         got_a.append(a)
         got_b.append(b)
     assert got_a == got_b
@@ -277,7 +270,8 @@ def test_unpack_bitmask_is_the_packed_layout(vocab):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_masked_rows_sample_as_the_reference_and_only_allowed_tokens(cpu_isa, backend, seed):
+def test_masked_rows_sample_as_the_reference_and_only_allowed_tokens(cpu_build, backend, seed):
+    backend = cpu_build if backend is not None else None  # the native path in every build
     rng = random.Random(200 + seed)
     rows = make_rows(rng, [dict(p, logprobs=2) for p in PARAMS])
     logits = random_logits(200 + seed, len(rows))
@@ -289,8 +283,8 @@ def test_masked_rows_sample_as_the_reference_and_only_allowed_tokens(cpu_isa, ba
     bitmask = pack_bitmask(allowed)
     masks = {r: allowed[k].tolist() for k, r in enumerate(mask_rows)}
     want = torch.stack([reference(logits[i], r, masks.get(i))[0] for i, r in enumerate(rows)]).float()
-    got, lps = sample(logits, rows, seed=seed, bitmask=bitmask, bitmask_rows=mask_rows)
-    expected, _ = sample(want, [plain(r) for r in rows], seed=seed)
+    got, lps = sample(logits, rows, seed=seed, bitmask=bitmask, bitmask_rows=mask_rows, library=backend)
+    expected, _ = sample(want, [plain(r) for r in rows], seed=seed, library=backend)
     assert got == expected
     for k, i in enumerate(mask_rows):
         assert allowed[k, got[i]], (i, got[i])
@@ -308,7 +302,7 @@ def test_many_draws_of_a_masked_row_stay_allowed(backend):
     bitmask = pack_bitmask(allowed).expand(n, -1).contiguous()
     params = [dict(), dict(top_k=5), dict(top_p=0.5), dict(min_p=0.1), dict(temperature=3.0)]
     rows = [SamplingRow(SamplingParams(**params[i % len(params)]), 10, 10, [0] * 10) for i in range(n)]
-    tokens, _ = sample(logits, rows, bitmask=bitmask, bitmask_rows=list(range(n)))
+    tokens, _ = sample(logits, rows, bitmask=bitmask, bitmask_rows=list(range(n)), library=backend)
     assert all(allowed[0, t] for t in tokens)
     assert len(set(tokens)) > 3
 
@@ -328,11 +322,11 @@ def test_a_row_left_with_no_finite_logit_takes_the_raw_argmax(backend):
     rows = [SamplingRow(SamplingParams(min_tokens=3, **p), 10, 10, list(range(10))) for p in params]
     rows[5] = SamplingRow(SamplingParams(temperature=0.0), 10, 10, list(range(10)))  # unmasked neighbour
     bitmask = pack_bitmask(torch.stack([only_eos, only_eos, only_eos, only_eos, only_eos, nothing]))
-    tokens, _ = sample(logits, rows, bitmask=bitmask, bitmask_rows=[0, 1, 2, 3, 4, 6])
+    tokens, _ = sample(logits, rows, bitmask=bitmask, bitmask_rows=[0, 1, 2, 3, 4, 6], library=backend)
     assert tokens[:5] == [EOS] * 5 and tokens[6] == EOS
     assert tokens[5] == EOS, "an unmasked greedy row without min_tokens"
     # min_tokens alone (no mask) still bans EOS: the next best
-    tokens, _ = sample(logits[:1], rows[:1])
+    tokens, _ = sample(logits[:1], rows[:1], library=backend)
     assert tokens == [11]
 
 

@@ -1,4 +1,4 @@
-"""What a client sees: stop conditions and incremental text (engine/output.py, the
+"""What a client sees: stop conditions and incremental text (engine/output_processor.py, the
 tokenizer's incremental detokenizer), token sampling (layers/sampler.py), and the typed
 messages that carry both (comm/messages.py)."""
 
@@ -16,24 +16,15 @@ from meshserve.comm.messages import (AbortRequest, Completion, Delta, ErrorReply
                                      Ready, SamplingParams, SeqDelta, Shutdown, StepPlan, StepResult, TokenLogprob,
                                      Usage, client_decoder, control_decoder, encoder, rank_decoder, server_decoder)
 from meshserve.configs.model_info import read_model_info
-from meshserve.engine.output import OutputProcessor, RequestState
+from meshserve.engine.output_processor import OutputProcessor, RequestState
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.tokenizer import Tokenizer
-from meshserve.layers import sampler as sampler_module
 from meshserve.layers.sampler import Sampler, SamplingRow, _row_seed
+from support.threads import one_torch_thread  # noqa: F401 (autouse: one intra-op thread here)
 
 EOS = 2  # <|im_end|> in SmolLM2's vocabulary; the tiny checkpoints' eos_token_id
 PROMPT = "Question: what is the answer?\nAnswer:"
 TEXT = " The answer is 42. <<END>> and then 日本語 😀 more <<END>> text; the end."
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: intra-op threads only add overhead (milliseconds per op on 2 cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -327,8 +318,9 @@ def row(num_tokens: int = 10, prompt_len: int = 10, **params) -> SamplingRow:
     return SamplingRow(SamplingParams(**params), num_tokens, prompt_len, [0] * num_tokens)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int | None = 0, eos=(EOS,)):
-    return Sampler(eos, seed)(logits.clone(), rows)
+def sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int | None = 0, eos=(EOS,), library=None):
+    """`library`: the C++ kernels that sample (cpu_sample.cpp), None: the torch-op path."""
+    return Sampler(eos, seed, library)(logits.clone(), rows)
 
 
 def test_greedy_is_argmax():
@@ -385,12 +377,11 @@ def test_seeded_row_ignores_neighbours_and_position():
         assert len(set(got_a)) > 5, "a seeded row should still vary with the sequence length"
 
 
-def test_top_p_1_row_is_unaffected_by_a_top_p_neighbour(monkeypatch):
+def test_top_p_1_row_is_unaffected_by_a_top_p_neighbour():
     # The torch path (CUDA, or no C++ compiler): a seeded row with the full vocabulary, built
     # so that the exponential race is won by a low-probability token: logits = log(noise) +
     # delta, with the largest delta on the token with the smallest noise. Alone it samples
     # that token; it must do so in any batch.
-    monkeypatch.setattr(sampler_module, "native_sampling", lambda logits: False)
     vocab, seed, num_tokens = 49152, 7, 30
     g = torch.Generator().manual_seed(_row_seed(seed, num_tokens))
     noise = torch.empty(vocab).exponential_(generator=g)
@@ -464,19 +455,18 @@ def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int,
 @pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 40, 1.0), (0.8, 20, 0.6),
                                                      (2.0, 0, 0.5)])
-def test_sampled_distribution_matches_the_reference(cpu_isa, backend, monkeypatch, temperature, top_k, top_p):
+def test_sampled_distribution_matches_the_reference(cpu_build, backend, temperature, top_k, top_p):
     """4,000 draws of one 2,000-token row against its distribution computed in float64 (a
     chi-square over the tokens expected 5 times or more, the rest pooled), and no token
     outside the kept set; -inf logits (banned tokens) are never drawn."""
-    if backend == "torch":
-        monkeypatch.setattr(sampler_module, "native_sampling", lambda logits: False)
+    library = cpu_build if backend == "native" else None
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(2000, generator=g) * 2.5
     logits[:5] = float("-inf")
     want = reference_distribution(logits, temperature, top_k, top_p)
     n = 4000
     tokens, _ = sample(logits.expand(n, -1).contiguous(), [row(temperature=temperature, top_k=top_k, top_p=top_p)] * n,
-                       seed=3)
+                       seed=3, library=library)
     counts = torch.bincount(torch.tensor(tokens), minlength=len(logits)).double()
     assert counts[want == 0].sum() == 0 and counts[:5].sum() == 0
     expected = want * n
@@ -490,13 +480,14 @@ def test_sampled_distribution_matches_the_reference(cpu_isa, backend, monkeypatc
     assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, (chi2, dof)
 
 
-def test_native_sampling_handles_the_edges(cpu_isa):
+def test_native_sampling_handles_the_edges(cpu_build):
     logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf")], [5.0, 5.0, 5.0, 5.0], [float("-inf"), 0.0, -1e9, -3.0]])
-    tokens, _ = sample(logits, [row(temperature=0.0), row(top_k=10), row(top_p=1e-6, temperature=50.0)])
+    tokens, _ = sample(logits, [row(temperature=0.0), row(top_k=10), row(top_p=1e-6, temperature=50.0)],
+                       library=cpu_build)
     assert tokens[0] == 2 and tokens[1] in range(4) and tokens[2] == 1
     # ties at the k-th weight are kept, as the reference keeps them: every tied token is drawn
     tied = torch.tensor([[3.0, 3.0, 3.0, 1.0]]).expand(600, -1).contiguous()
-    drawn = set(sample(tied, [row(top_k=1)] * 600)[0])
+    drawn = set(sample(tied, [row(top_k=1)] * 600, library=cpu_build)[0])
     assert drawn == {0, 1, 2}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from meshserve.layers.attention import QUERY_BLOCK, AttentionMetadata
 from meshserve.layers.backend import TorchBackend, select_backend
-from meshserve.layers.kernels import cpu_attention
+from meshserve.layers.kernels import cpu_library
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
 
@@ -25,7 +25,7 @@ def dense_causal(q, k, v, scale):
 
 
 @pytest.mark.parametrize("cpu_kernels", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not cpu_attention.available(), reason="no C++ compiler for the cpu backend's kernel"))])
+    cpu_library.load() is None, reason="no C++ compiler for the cpu backend's kernel"))])
 def test_chunks_of_several_query_blocks_match_dense_attention(cpu_kernels):
     torch.manual_seed(0)
     first, second = 2 * QUERY_BLOCK + 5, QUERY_BLOCK + 20  # sequence A: prefill, then a chunk after its prefix
@@ -37,7 +37,7 @@ def test_chunks_of_several_query_blocks_match_dense_attention(cpu_kernels):
     table_a, table_b = list(range(1, 1 + -(-total_a // BLOCK))), list(range(40, 40 + -(-total_b // BLOCK)))
     scale = HEAD_DIM ** -0.5
 
-    backend = select_backend("cpu") if cpu_kernels else TorchBackend()
+    backend = select_backend("cpu", library=cpu_library.load()) if cpu_kernels else TorchBackend()
     meta = backend.build_metadata([first, other], [first, other], [table_a, table_b], BLOCK)
     assert len(meta.prefills[0].query_blocks) == 3
     out1 = backend.attention(torch.cat([qa[:first], qb[:other]]), torch.cat([ka[:first], kb[:other]]),
@@ -55,11 +55,9 @@ def test_chunks_of_several_query_blocks_match_dense_attention(cpu_kernels):
     torch.testing.assert_close(out2[second:].double(), want_b[other:], atol=1e-5, rtol=1e-5)
 
 
-class _NoNativeKernels:
-    """Stands in for the C++ library: any kernel the torch backend called would fail."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"the torch backend called the C++ kernel {name}")
+def _no_native_kernels(*args, **kwargs):
+    """Stands in for the C++ library's loaders: the torch backend loading a build fails."""
+    raise AssertionError("the torch backend loaded the C++ kernels")
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -69,12 +67,13 @@ def test_the_torch_backend_is_pure_torch(monkeypatch, int8):
     the reference the other backends are tested against computes everything in torch,
     whatever the machine builds."""
     from meshserve.layers import kv_quant
-    from meshserve.layers.kernels import cpu_library
     from meshserve.layers.rotary import RotaryEmbedding
 
-    monkeypatch.setattr(cpu_library, "ops", _NoNativeKernels())
+    monkeypatch.setattr(cpu_library, "load", _no_native_kernels)
+    monkeypatch.setattr(cpu_library, "library", _no_native_kernels)
     torch.manual_seed(1)
     backend = TorchBackend()
+    assert backend.library is None  # it holds no build of the C++ kernels to call
     row = kv_quant.row_length(HEAD_DIM) if int8 else HEAD_DIM
     cache = tuple(torch.zeros(16, BLOCK, KV_HEADS, row, dtype=torch.int8 if int8 else torch.float32)
                   for _ in range(2))

@@ -117,18 +117,23 @@ def test_int8_activation_head_matches_the_math_on_quantized_inputs(rows):
                                               ("bfloat16", {"avx2", "fma"}, Int8Matmul),
                                               ("float32", {"avx2", "avx512_vnni"}, Int8Matmul)])
 def test_int4_models_head_takes_int8_inputs_only_in_bf16_with_vnni(tiny_checkpoints, monkeypatch, dtype, flags, kind):
-    """Without an int8 dot product (AVX2 alone) `_int_mm` is 4x slower than the weight-only
-    head, so the head keeps bf16 inputs there."""
+    """Without an int8 dot product (AVX2 alone) `_int_mm` is slower than the weight-only
+    head, so the head keeps bf16 inputs there; the start-up line says which it took."""
     from meshserve.configs.cpu_features import CpuFeatures
     from meshserve.engine.build import build_single_rank_engine
-    from meshserve.layers import quant
+    from meshserve.layers import matmul_plan, quant
 
     monkeypatch.setattr(quant, "cpu_features", lambda: CpuFeatures(frozenset(flags)))
+    monkeypatch.setattr(matmul_plan, "cpu_features", lambda: CpuFeatures(frozenset(flags)))
     config = load_config(None, [f"model.path={tiny_checkpoints['llama-untied']}", f"model.dtype={dtype}",
                                 "model.quantization=int4", "model.max_model_len=64"])
     info = check_config(config)
     engine = build_single_rank_engine(config, info, plan_memory(config, info), threads=None)
-    assert type(engine.executor.runner.model.lm_head.packed) is kind
+    model = engine.executor.runner.model
+    assert type(model.lm_head.packed) is kind
+    assert model.matmuls.describe().endswith("the head int8 weights times int8 rows (torch's _int_mm)"
+                                             if kind is Int8DynamicMatmul else "the head int8 weights "
+                                             f"(torch's _weight_int8pack_mm){'' if dtype == 'bfloat16' else ' on bfloat16 inputs'}")
 
 
 def _fake_quantized_hf(path, layers: str, head: str):

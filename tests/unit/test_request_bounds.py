@@ -25,6 +25,7 @@ from meshserve.engine.admission import PROBE_CHARS_PER_TOKEN, RequestError, enco
 from support.engines import make_engine
 
 MAX_MODEL_LEN = 256
+VOCAB_SIZE = 1000
 
 
 @pytest.mark.parametrize("prompt", ["hello", ["a", "b"], [1, 2, 3], [[1], [2, 3]], "\U0001f600 ok"])
@@ -35,8 +36,12 @@ def test_prompts_decode_to_what_json_reads(prompt):
 
 
 def _refused(body: bytes, model=CompletionRequest) -> OpenAIError:
+    """The 400 of a body refused as it is parsed or, for a bound of its sampling fields, as its
+    SamplingParams is built (the wire type holds those bounds)."""
     with pytest.raises(OpenAIError) as e:
-        parse_body(body, model, MAX_MODEL_LEN)
+        req = parse_body(body, model, MAX_MODEL_LEN)
+        if model is CompletionRequest:
+            req.sampling_params(req.max_new_tokens(), req.engine_logprobs, VOCAB_SIZE)
     assert e.value.status == 400
     return e.value
 

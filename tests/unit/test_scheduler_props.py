@@ -1,10 +1,14 @@
 """Property tests of the scheduler, block manager and step plans, in plain Python.
 
 A simulated engine loop (random arrivals, prompt and output lengths, aborts, few KV
-blocks so that preemption happens) checks the invariants of DESIGN.md after every step,
-and the ranks' SequenceMirror (engine/mirror.py, the one ModelRunner uses) applies each
-StepPlan, received through msgpack, and must hold the driver's token ids, block tables
-and computed counts. With context parallelism, the mirrors of the group's ranks must
+blocks so that preemption happens) checks after every step that a KV block is exactly one
+of free, evictable (a cached prefix) or held, with its reference count equal to its
+holders; that a step stays within the token and sequence budgets, schedules a sequence at
+most once, serves the waiting first come first served and admits none while preempting;
+that a preempted sequence holds no blocks and restarts from nothing; and that every request
+ends with the tokens it asked for, or aborted. The ranks' SequenceMirror (engine/mirror.py,
+the one ModelRunner uses) applies each StepPlan, received through msgpack, and must hold
+the driver's token ids, block tables and computed counts. With context parallelism, the mirrors of the group's ranks must
 agree with the driver on who holds which token.
 """
 
@@ -27,7 +31,8 @@ def _torch_imported_by_engine_modules() -> str:
     return out.stdout.strip()
 
 
-# The scheduler is plain Python (DESIGN.md): importing it must not pull in torch.
+# The scheduler is plain Python, so the driver's core runs without torch (docs/architecture.md):
+# importing it must not pull in torch.
 _TORCH_CHECK = _torch_imported_by_engine_modules()
 assert _TORCH_CHECK.startswith("False"), f"the scheduler modules import torch: {_TORCH_CHECK}"
 

@@ -8,7 +8,6 @@ rejections, layer by layer."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -481,7 +480,6 @@ def test_the_cache_holds_exactly_the_accepted_tokens(tiny):
 
 def gather(cache: torch.Tensor, block_ids: list[int], n: int) -> torch.Tensor:
     """The first `n` positions of a sequence in a paged cache (blocks, block_size, heads, dim)."""
-    bs = cache.shape[1]
     return torch.cat([cache[b] for b in block_ids])[:n] if n else cache[:0, 0]
 
 

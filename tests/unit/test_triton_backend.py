@@ -12,17 +12,18 @@ from meshserve.configs.errors import ConfigError
 from meshserve.configs.validate import check_config
 from meshserve.layers.attention import build_attention_metadata
 from meshserve.layers.backend import TorchBackend, resolve_backend_name, select_backend
-from meshserve.layers.kernels.cpu_backend import CpuBackend
-from meshserve.layers.kernels import cpu_attention, triton_available
+from meshserve.layers.cpu_backend import CpuBackend
+from meshserve.layers.kernels import cpu_library, triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 
 def test_auto_is_cpu_on_cpu_and_triton_on_cuda():
-    cpu = cpu_attention.available()
-    assert resolve_backend_name("auto", "cpu") == ("cpu" if cpu else "torch")
-    assert isinstance(select_backend("auto", "cpu"), CpuBackend if cpu else TorchBackend)
-    assert type(select_backend("torch", "cpu")) is TorchBackend
+    library = cpu_library.load()
+    assert resolve_backend_name("auto", "cpu", library) == ("cpu" if library else "torch")
+    assert resolve_backend_name("auto", "cpu", None) == "torch"  # the C++ kernels did not build
+    assert isinstance(select_backend("auto", "cpu", library), CpuBackend if library else TorchBackend)
+    assert type(select_backend("torch", "cpu", library)) is TorchBackend
     assert resolve_backend_name("auto", "cuda") == ("triton" if triton_available() else "torch")
     assert resolve_backend_name("torch", "cuda") == "torch"
     assert resolve_backend_name("triton", "cpu") == "triton"  # forced (the interpreter tests do this)
@@ -64,7 +65,7 @@ def test_config_kernels_key(tiny_checkpoints):
 
 @needs_triton
 def test_triton_metadata_matches_the_torch_one():
-    from meshserve.layers.kernels.triton_backend import build_triton_metadata
+    from meshserve.layers.triton_backend import build_triton_metadata
 
     query_lens, seq_lens = [1, 7, 5, 1], [10, 7, 11, 1]
     tables = [[5, 9, 2, 30], [0, 11], [3, 7, 13], [20, 21]]  # spare blocks at the ends

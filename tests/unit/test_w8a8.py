@@ -25,7 +25,7 @@ from support.cpu import needs_vnni
 from support.reference import meshserve_logits
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7]]
-native = pytest.mark.skipif(not cpu_library.available(), reason="no C++ compiler for the CPU kernels")
+native = pytest.mark.skipif(cpu_library.load() is None, reason="no C++ compiler for the CPU kernels")
 
 
 def rows_with_outliers(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -39,11 +39,11 @@ def rows_with_outliers(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,cols", [(1, 7), (37, 100), (64, 1536)])
-def test_native_row_quantization_matches_torch_ops(dtype, rows, cols, cpu_isa):
+def test_native_row_quantization_matches_torch_ops(dtype, rows, cols, cpu_build):
     torch.manual_seed(0)
     wide = rows_with_outliers(rows, cols + 5, dtype)
     x = wide[:, :cols]  # rows with a stride wider than they are
-    codes, scales = cpu_library.ops.quantize_rows_u8(x)
+    codes, scales = cpu_build.ops.quantize_rows_u8(x)
     want_codes, want_scales = quantize_rows_u8(x)
     assert codes.dtype == torch.uint8 and scales.dtype == torch.float32 and scales.shape == (rows, 1)
     torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
@@ -59,23 +59,22 @@ def test_native_row_quantization_matches_torch_ops(dtype, rows, cols, cpu_isa):
 
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_native_row_rescale_matches_torch_ops(dtype, cpu_isa):
+def test_native_row_rescale_matches_torch_ops(dtype, cpu_build):
     torch.manual_seed(0)
     y = torch.randn(70, 3000).to(dtype)
     scales = torch.rand(70, 1) * 4
     want = (y.float() * scales).to(dtype)
-    got = cpu_library.ops.scale_rows_(y, scales)
+    got = cpu_build.ops.scale_rows_(y, scales)
     assert got.data_ptr() == y.data_ptr()
     assert torch.equal(y, want)  # one product and one rounding per element: no reduction
     with pytest.raises(RuntimeError, match="one float32 scale per row: 70 rows, 69 scales"):
-        cpu_library.ops.scale_rows_(y, scales[:69])
+        cpu_build.ops.scale_rows_(y, scales[:69])
 
 
-def _paths(w: torch.Tensor, dtype: torch.dtype) -> dict[str, W8A8Matmul]:
-    paths = {"torch ops": W8A8Matmul(w, dtype)}
-    paths["torch ops"].native = False
-    if cpu_library.available():
-        paths["C++"] = W8A8Matmul(w, dtype)
+def _paths(w: torch.Tensor) -> dict[str, W8A8Matmul]:
+    paths = {"torch ops": W8A8Matmul(w, None)}
+    if cpu_library.load() is not None:
+        paths["C++"] = W8A8Matmul(w, cpu_library.load())
     return paths
 
 
@@ -92,7 +91,7 @@ def test_w8a8_matmul_matches_the_math_on_quantized_inputs(rows):
     x_codes, x_scale = quantize_rows_u8(x)
     want = ((x_codes.double() - U8_ZERO) * x_scale.double()) @ (codes.double() * scale.double()[:, None]).t()
     exact = x.double() @ w.double().t()
-    for name, matmul in _paths(w, torch.bfloat16).items():
+    for name, matmul in _paths(w).items():
         got = matmul(x.view(rows, 1, 576)).view(rows, 384)
         assert got.dtype == torch.bfloat16, name
         torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2, msg=name)
@@ -103,7 +102,7 @@ def test_w8a8_matmul_matches_the_math_on_quantized_inputs(rows):
 def test_w8a8_matmul_compiled_matches_eager():
     torch.manual_seed(0)
     w = torch.randn(256, 192) * 0.05
-    matmul = W8A8Matmul(w, torch.float32)
+    matmul = W8A8Matmul(w, cpu_library.load())
     compiled = torch.compile(lambda x: matmul(x) + 1, dynamic=True, fullgraph=True)
     for rows in (2, 9, 33):
         x = rows_with_outliers(rows, 192, torch.float32)
@@ -216,4 +215,4 @@ def test_w8a8_is_refused_without_vnni(tiny_checkpoints):
         with pytest.raises(ConfigError, match="needs VNNI"):
             check_config(config)
         with pytest.raises(ValueError, match="w8a8 needs a CPU with VNNI"):
-            W8A8Matmul(torch.randn(32, 64), torch.bfloat16)
+            W8A8Matmul(torch.randn(32, 64), None)

@@ -18,12 +18,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import msgspec
 import zmq
 
 from meshserve.comm.messages import (Constraint, Delta, ErrorReply, GenerateRequest, KvHandoff, KvReady, KvReserved,
                                      PrefillDone)
+from meshserve.configs.roles import ReplicaRole, role_of
 from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Frontend, Inbox, RequestKey,
                                                ResetPrefixCacheCommand)
 from meshserve.engine.serving.replicas.link import ReplicaLink
@@ -46,6 +48,20 @@ class ReplicaDown:
     """It stopped because the deployment is stopping."""
 
 
+class Phase(str, Enum):
+    """Where a request stands in disaggregated prefill/decode (WHOLE: one replica serves it
+    from prompt to end). RESERVING: the decode replica reserves its blocks; PREFILLING: the
+    prefill replica computes the prompt and sends its KV; DECODING: the decode replica has
+    the first token and goes on; PREFILLED: the request ended or started over while
+    prefilling, and its prompt no longer counts against the prefill replica."""
+
+    WHOLE = "whole"
+    RESERVING = "reserving"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREFILLED = "prefilled"
+
+
 @dataclass
 class _Pending:
     cmd: AddCommand
@@ -58,9 +74,8 @@ class _Pending:
     transfer: int = -1
     prefill_tokens: int = 0
     aborted: bool = False
-    phase: str = ""
-    """... and where it is: `reserving` (the decode replica reserves its blocks),
-    `prefilling`, then `decoding`."""
+    phase: Phase = Phase.WHOLE
+    """... and where it is."""
 
 
 class WakingInbox(Inbox):
@@ -109,7 +124,10 @@ class FrontDoor:
         forgotten (run on a thread of its own). `prefill_replicas`: disaggregated
         prefill/decode: the first this many replicas compute prompts, the rest decode (the
         router picks among those)."""
-        self.prefill_replicas = frozenset(range(prefill_replicas))
+        self.roles = [role_of(r, prefill_replicas) for r in range(len(links))] if prefill_replicas else None
+        """Each replica's role in disaggregated prefill/decode; None without it."""
+        self.prefill_replicas = frozenset(r for r, role in enumerate(self.roles or []) if role is ReplicaRole.PREFILL)
+        """The replicas that compute prompts; the router picks among the others."""
         self._prefill_load = {r: 0 for r in self.prefill_replicas}
         """Prompt tokens each prefill replica has been given and not finished."""
         self._transfers = itertools.count()
@@ -194,7 +212,7 @@ class FrontDoor:
             if link_id is not None:
                 p = self._pending[link_id]
                 self.links[p.replica].abort(link_id)
-                if p.phase == "prefilling":
+                if p.phase is Phase.PREFILLING:
                     self.links[p.prefill].abort(link_id)
                 p.aborted = True
         elif isinstance(cmd, ResetPrefixCacheCommand):
@@ -219,8 +237,8 @@ class FrontDoor:
                 self._reply(p, ErrorReply(cmd.request_id, "unavailable",
                                           f"no prefill replica can take the request (all out of service: {why})"))
                 return
-            p.prefill, p.transfer, p.phase = prefill, next(self._transfers) % (1 << 31), "reserving"
-            handoff = KvHandoff(p.transfer, prefill, "decode")
+            p.prefill, p.transfer, p.phase = prefill, next(self._transfers) % (1 << 31), Phase.RESERVING
+            handoff = KvHandoff(p.transfer, prefill, ReplicaRole.DECODE)
         route: Route | None = self.router.route(cmd.prompt_ids, cmd.cache_salt, exclude=p.tried | self.prefill_replicas)
         if route is None:
             why = "; ".join(f"replica {r}: {reason}" for r, reason in sorted(self.down.items())) or "none up"
@@ -252,29 +270,30 @@ class FrontDoor:
         """The decode replica reserved the blocks and posted its receives: the prefill
         replica computes the prompt. It is told even if the request was aborted meanwhile
         (and aborted there at once), as only it can answer those receives."""
-        if p.phase != "reserving":
+        if p.phase is not Phase.RESERVING:
             return
         if p.prefill in self.down:
             self._prefill_failed(link_id, p, f"prefill replica {p.prefill} failed: {self.down[p.prefill]}")
             return
-        p.phase = "prefilling"
+        p.phase = Phase.PREFILLING
         cmd = p.cmd
         p.prefill_tokens = len(cmd.prompt_ids) - reply.cached_tokens
         self._prefill_load[p.prefill] += p.prefill_tokens
         grammar = None if cmd.grammar is None else Constraint(**_spec_fields(cmd.grammar.spec))
         first_block = reply.cached_tokens // self.router.block_size
+        handoff = KvHandoff(p.transfer, p.replica, ReplicaRole.PREFILL, first_block)
         self.links[p.prefill].send(GenerateRequest(link_id, prompt_token_ids=cmd.prompt_ids, params=cmd.params,
                                                    stream=False, cache_salt=cmd.cache_salt, constraint=grammar,
-                                                   handoff=KvHandoff(p.transfer, p.replica, "prefill", first_block)))
+                                                   handoff=handoff))
         if p.aborted:  # after the reservation: the prefill replica ends the receives it posted (with zeros)
             self.links[p.prefill].abort(link_id)
 
     def _on_prefill_reply(self, link_id: str, p: _Pending, reply) -> None:
-        if p.phase != "prefilling":
+        if p.phase is not Phase.PREFILLING:
             return
         if isinstance(reply, PrefillDone):
             self._prefilled(p)
-            p.phase = "decoding"
+            p.phase = Phase.DECODING
             self.links[p.replica].send(KvReady(link_id, reply.token_id, reply.logprob))
         elif isinstance(reply, ErrorReply):
             self._prefill_failed(link_id, p, f"prefill replica {p.prefill}: {reply.code}: {reply.message}",
@@ -282,9 +301,9 @@ class FrontDoor:
 
     def _prefilled(self, p: _Pending) -> None:
         """`p`'s prefill ended (done, failed or aborted): its prefill replica's load drops."""
-        if p.phase == "prefilling":
+        if p.phase is Phase.PREFILLING:
             self._prefill_load[p.prefill] -= p.prefill_tokens
-            p.phase = "prefilled"
+            p.phase = Phase.PREFILLED
 
     def _prefill_failed(self, link_id: str, p: _Pending, why: str, code: str = "unavailable") -> None:
         """The prompt will not be computed: free the decode replica's blocks, then start over
@@ -315,7 +334,7 @@ class FrontDoor:
             return
         key = p.cmd.key
         if isinstance(reply, ErrorReply):
-            if p.phase == "prefilling":  # the decode side is gone: the prompt is computed for nothing
+            if p.phase is Phase.PREFILLING:  # the decode side is gone: the prompt is computed for nothing
                 self.links[p.prefill].abort(reply.request_id)
             self._forget(reply.request_id, completed=False)
             if reply.code in RETRYABLE and self._may_retry(p):
@@ -352,11 +371,12 @@ class FrontDoor:
         if not expected:
             log.error("replica %d is out of service: %s; %d of %d replicas serve", r, event.reason,
                       len(self.links) - len(self.down), len(self.links))
-        for link_id in [i for i, p in self._pending.items() if p.prefill == r and p.phase in ("reserving", "prefilling")]:
+        for link_id in [i for i, p in self._pending.items()
+                        if p.prefill == r and p.phase in (Phase.RESERVING, Phase.PREFILLING)]:
             self._prefill_failed(link_id, self._pending[link_id], f"prefill replica {r} failed: {event.reason}")
         for link_id in [i for i, p in self._pending.items() if p.replica == r]:
             p = self._pending[link_id]
-            if p.phase == "prefilling" and p.prefill not in self.down:
+            if p.phase is Phase.PREFILLING and p.prefill not in self.down:
                 self.links[p.prefill].abort(link_id)
             self._forget(link_id, completed=False)
             if self._may_retry(p):

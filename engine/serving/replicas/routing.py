@@ -109,19 +109,11 @@ class Router:
         self.routed[r] += 1
         self.indexes[r].add(route.hashes)
 
-    def replica_of(self, key: Hashable) -> int | None:
-        flight = self._in_flight.get(key)
-        return None if flight is None else flight.replica
-
     def produced(self, key: Hashable, token_ids: list[int]) -> None:
         flight = self._in_flight.get(key)
         if flight is not None:
             flight.output_ids.extend(token_ids)
             self._load[flight.replica] += len(token_ids)
-
-    def has_output(self, key: Hashable) -> bool:
-        flight = self._in_flight.get(key)
-        return flight is not None and bool(flight.output_ids)
 
     def finished(self, key: Hashable, completed: bool = True) -> None:
         """`key` ended (`completed`: with its output, which a next turn would continue)."""
@@ -141,9 +133,6 @@ class Router:
             self._history.move_to_end(hashes[first_output_block])
             while len(self._history) > HISTORY_ENTRIES:
                 self._history.popitem(last=False)
-
-    def in_flight_on(self, replica: int) -> list[Hashable]:
-        return [key for key, flight in self._in_flight.items() if flight.replica == replica]
 
     def set_up(self, replica: int, up: bool) -> None:
         """A replica failed (its cache is gone with it) or came back (empty)."""

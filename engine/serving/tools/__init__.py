@@ -36,13 +36,13 @@ call stays content; `parse` and `stream` never raise, and joining a stream's del
 (name, then its whole arguments) once it is complete: see the NOTE in scanners.py.
 
 Files: formats.py (the two syntaxes), scanners.py (reading them incrementally),
-json_prefix.py (the JSON check the scanners use), output.py (OpenAI message and delta
+json_prefix.py (the JSON check the scanners use), message_shapes.py (OpenAI message and delta
 shapes), render.py (the prompt), constraints.py (forced calls), validation.py (request checks).
 """
 
 from .constraints import ToolConstraint, forced_call
 from .formats import FORMATS, HERMES, LLAMA3_JSON, HermesFormat, Llama3JsonFormat, ToolFormat, tool_format_for
-from .output import ParsedMessage, ToolCallStream
+from .message_shapes import ParsedMessage, ToolCallStream
 from .render import chat_template_source, render_messages, template_uses_tools
 from .validation import ToolRequestError, validate_tool_choice, validate_tool_request, validate_tools
 

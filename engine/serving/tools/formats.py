@@ -13,7 +13,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any
 
-from .output import ParsedMessage, ToolCallStream, parsed_message
+from .message_shapes import ParsedMessage, ToolCallStream, parsed_message
 from .scanners import HERMES_CLOSE, HERMES_OPEN, PYTHON_TAG, HermesScanner, Llama3JsonScanner
 
 _HERMES_INSTRUCTIONS = (

@@ -6,8 +6,10 @@ length instead of the torch backend's mask; the prefill chunks with no cached pr
 in one call of the C++ causal kernel (their spans in the metadata) where it beats SDPA
 (`cpu_attention.prefill_fits`), the chunks after a cached prefix in the torch path. The
 int8 cache's rows are quantized in C++, and RMSNorm, silu-and-mul and rotary are one C++
-pass each outside compiled graphs: 0.14 vs 0.41 ms and 0.55 vs 0.85 ms on SmolLM2's 2048-token
-prefill rows (bf16, 2 cores). The context-parallel LSE attentions are the torch backend's.
+pass each outside compiled graphs (faster than the torch ops they replace on prefill rows).
+The context-parallel LSE attentions are the torch backend's.
+
+The backend holds the loaded build of the kernels (`CpuLibrary`) it calls.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.layers import activation, attention, kv_quant, norm, rotary
+from meshserve.layers import activation, attention, norm, rotary
 from meshserve.layers.attention import PagedMetadata
 from meshserve.layers.backend import TorchBackend
-from meshserve.layers.kernels import cpu_attention, cpu_library
+from meshserve.layers.kernels import cpu_attention
+from meshserve.layers.kernels.cpu_library import CpuLibrary
 
 
 @dataclass
@@ -47,21 +50,21 @@ def build_cpu_metadata(query_lens: list[int], seq_lens: list[int], block_tables:
     return meta
 
 
-def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                        meta: CpuMetadata, scale: float) -> torch.Tensor:
+def cpu_paged_attention(library: CpuLibrary, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: CpuMetadata, scale: float) -> torch.Tensor:
     """Stores the new K/V (int8 rows quantized in C++), then attends: decodes in the C++
     paged kernel, fresh chunks in the C++ prefill kernel where it fits, the rest as the
     torch backend does."""
-    attention.store_kv(kv_cache, k, v, meta.slot_mapping, quantize=kv_quant.quantize_native)
+    attention.store_kv(kv_cache, k, v, meta.slot_mapping, quantize=library.ops.quantize_kv_int8)
     k_cache, v_cache = kv_cache
     if meta.decode_only:  # every row decodes, in order
-        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                                    scale)
-    fused = meta.fresh_chunks is not None and cpu_attention.prefill_fits(q.shape[-1])
-    out = cpu_attention.prefill_attention(q, k, v, meta.fresh_chunks, scale) if fused else torch.empty_like(q)
+        return cpu_attention.paged_decode_attention(library, q, k_cache, v_cache, meta.decode_block_tables,
+                                                    meta.decode_lens, scale)
+    fused = meta.fresh_chunks is not None and cpu_attention.prefill_fits(library, q.shape[-1])
+    out = cpu_attention.prefill_attention(library, q, k, v, meta.fresh_chunks, scale) if fused else torch.empty_like(q)
     if meta.decode_rows is not None:
         out[meta.decode_rows] = cpu_attention.paged_decode_attention(
-            q[meta.decode_rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+            library, q[meta.decode_rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
     for chunk in meta.prefills:
         if not (fused and chunk.fresh):
             attention.prefill_chunk(q, k, v, kv_cache, chunk, scale, out)
@@ -69,36 +72,39 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
 
 
 class CpuBackend(TorchBackend):
-    """The torch backend with the C++ kernels of this module's docstring."""
+    """The torch backend with the C++ kernels of this module's docstring, from `library`."""
 
     name = "cpu"
+
+    def __init__(self, library: CpuLibrary):
+        super().__init__()
+        self.library = library
+        self.ops = library.ops
 
     def build_metadata(self, query_lens, seq_lens, block_tables, block_size, device="cpu"):
         return build_cpu_metadata(query_lens, seq_lens, block_tables, block_size, device)
 
-    attention = staticmethod(cpu_paged_attention)
+    def attention(self, q, k, v, kv_cache, meta: CpuMetadata, scale: float) -> torch.Tensor:
+        return cpu_paged_attention(self.library, q, k, v, kv_cache, meta, scale)
 
-    @staticmethod
-    def rms_norm(x, weight, eps: float, residual=None):
+    def rms_norm(self, x, weight, eps: float, residual=None):
         if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
             return norm.rms_norm(x, weight, eps, residual)
-        out, total = cpu_library.ops.rms_norm(x, weight, eps, residual)
+        out, total = self.ops.rms_norm(x, weight, eps, residual)
         return out if residual is None else (out, total)
 
-    @staticmethod
-    def rotary(rope, q, k):
+    def rotary(self, rope, q, k):
         if torch.compiler.is_compiling() or q.stride(-1) != 1 or k.stride(-1) != 1:
             return rotary.RotaryEmbedding.apply(rope, q, k)
-        return cpu_library.ops.rotary(q, k, *rope)
+        return self.ops.rotary(q, k, *rope)
 
-    @staticmethod
-    def silu_and_mul(x):
+    def silu_and_mul(self, x):
         if torch.compiler.is_compiling() or x.dim() != 2 or not x.is_contiguous():
             return activation.silu_and_mul(x)
-        return cpu_library.ops.silu_and_mul(x)
+        return self.ops.silu_and_mul(x)
 
     def summary(self, head_dim: int) -> str:
-        build = f"{cpu_library.selected_isa} build"
-        prefill = f"C++ causal ({build})" if cpu_attention.prefill_fits(head_dim) else "SDPA"
+        build = f"{self.library.isa} build"
+        prefill = f"C++ causal ({build})" if cpu_attention.prefill_fits(self.library, head_dim) else "SDPA"
         return (f"attention: cpu backend, C++ paged decode ({build}), prefill {prefill}; "
                 f"norm/act/rotary: C++ ({build}) in eager steps")

@@ -1,13 +1,14 @@
-"""`meshserve serve` of parallel.data replicas: on node 0, bind the front door's addresses,
-start this node's replicas (launcher/replicas.py), wait until every replica of every node
-serves, then route requests to them (engine/serving/replicas/front_door.py) until stopped; on
-another node (`--node-rank K`), start that node's replicas, announce them to node 0
-(launcher/replica_registry.py) and stop them when node 0 says so or goes away."""
+"""`meshserve serve` of parallel.data replicas: on node 0, bind the front door's frontends
+(engine/serving/frontends.py), start this node's replicas (launcher/replicas.py), wait until
+every replica of every node serves, then route requests to them
+(engine/serving/replicas/front_door.py) until stopped; on another node (`--node-rank K`),
+start that node's replicas, announce them to node 0 (launcher/replica_registry.py) and stop
+them when node 0 says so or goes away. SIGTERM/SIGINT stop either as they stop a single
+replica (launcher/signals.py), and each replica gets the same signals in turn."""
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 
@@ -16,21 +17,20 @@ import torch.distributed as dist
 import zmq
 
 from meshserve.configs.memory import MemoryPlan
-from meshserve.configs.model_info import ModelInfo, served_name
+from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
+from meshserve.engine.serving.frontends import build_frontends
 from meshserve.engine.serving.replicas.front_door import FrontDoor, ReplicaDown, WakingInbox
 from meshserve.engine.serving.replicas.link import ReplicaLink
 from meshserve.engine.serving.replicas.metrics import front_door_registry
 from meshserve.engine.serving.replicas.routing import Router
-from meshserve.engine.serving.zmq_frontend import ZmqFrontend
-from meshserve.engine.structured import GrammarCompiler
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.launcher.errors import StartupError
 from meshserve.launcher.network import host_address, interface_address
 from meshserve.launcher.replica_registry import ReplicaRegistry
 from meshserve.launcher.replicas import (STOP_GRACE_S, ReplicaProcess, core_shares, disaggregation_overrides, free_ports,
                                          replica_argv, replica_overrides, start_replica, stop_replicas, wait_stopped)
-from meshserve.launcher.serve import SAME_SIGNAL_S
+from meshserve.launcher.signals import on_stop_signals
 
 log = logging.getLogger("meshserve")
 
@@ -90,30 +90,15 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     registry = ReplicaRegistry(config, host=True) if nodes > 1 else None
     tokenizer = Tokenizer(info, config.model.tokenizer)
     inbox = WakingInbox()
-    grammars = GrammarCompiler(tokenizer, info.vocab_size)
     router = Router(config.parallel.data, config.router.policy, config.cache.block_size, memory.num_blocks,
                     config.router.balance_abs_tokens, config.router.balance_rel)
-    frontends = [ZmqFrontend(config.server.zmq, inbox, tokenizer, info.vocab_size, memory.max_model_len,
-                             secret=config.server.secret, curve=config.server.curve, grammars=grammars)]
     replicas: list[ReplicaProcess] = []
     scrape_urls: list[tuple[int, str]] = []
-    http = None
-    metrics = None
-    if config.server.http is not None:
-        from meshserve.engine.serving.http_frontend import HttpFrontend
-
-        prom, metrics = front_door_registry(router, lambda: [(r, url) for r, url in scrape_urls if router.up[r]],
-                                            config.server.api_key)
-        try:
-            http = HttpFrontend(config.server.http, inbox, tokenizer, info.vocab_size, memory.max_model_len,
-                                config.server.model_name or served_name(config.model.path), prom,
-                                api_key=config.server.api_key, limits=config.server.http_limits,
-                                metrics_public=config.server.metrics.public,
-                                cors_allowed_origins=config.server.cors_allowed_origins, grammars=grammars)
-        except OSError:
-            frontends[0].close()
-            raise
-        frontends.append(http)
+    # NOTE: made whether or not HTTP serves them (counting unread is cheap), so that whether
+    # there is an HTTP /metrics is build_frontends' choice alone.
+    prom, metrics = front_door_registry(router, lambda: [(r, url) for r, url in scrape_urls if router.up[r]],
+                                        config.server.api_key)
+    frontends = build_frontends(config, info, memory, tokenizer, inbox, prom)
     started = time.monotonic()
     kv_store = None
     if config.disaggregation.enabled and nodes == 1:
@@ -129,8 +114,7 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
             registry.stop()
         stop_replicas(replicas)
         wait_stopped(replicas, STOP_GRACE_S)
-        for frontend in frontends:
-            frontend.close()
+        frontends.close()
         raise
     for r, (zmq_address, http_url) in sorted(addresses.items()):
         log.info("replica %d serves at %s (node %d)", r, zmq_address, r // len(node_replicas(config, 0)))
@@ -140,16 +124,17 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
              for r in range(config.parallel.data)]
     urls = {r: http_url for r, (_, http_url) in addresses.items()}
     scrape_urls.extend((r, url) for r, url in sorted(urls.items()) if url)
-    door = FrontDoor(inbox, frontends, links, router, config.router.retry, metrics,
+    door = FrontDoor(inbox, frontends.all, links, router, config.router.retry, metrics,
                      reset_prefix_caches=lambda: _reset_prefix_caches(urls, router, config.server.api_key),
                      prefill_replicas=config.disaggregation.prefill_replicas)
-    if http is not None:
-        http.health_source = door.health
+    if frontends.http is not None:
+        frontends.http.health_source = door.health
     if registry is not None:
         _watch_remote(registry, remote, inbox, door)
-    _on_signals(door, replicas, registry, drain_timeout)
-    zmq_address = frontends[0].address
-    print(front_door_ready_line(zmq_address, http.address if http else None, config), flush=True)
+    on_stop_signals(f"draining {len(replicas)} replicas", drain_timeout,
+                    drain=lambda: _drain(door, replicas, registry, drain_timeout),
+                    end_now=lambda: stop_replicas(replicas))
+    print(front_door_ready_line(frontends.zmq.address, frontends.http_address, config), flush=True)
     try:
         code = door.run()
     finally:
@@ -157,8 +142,7 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
             registry.stop()
         stop_replicas(replicas)
         wait_stopped(replicas, drain_timeout + STOP_GRACE_S)
-        for frontend in frontends:
-            frontend.close()
+        frontends.close()
         for link in links:
             link.close()
         ctx.term()
@@ -182,14 +166,18 @@ def serve_node(config: Config, argv: list[str], node_rank: int, drain_timeout: f
                                    kv_store_address(config, None))
     stopping: list[float] = []
 
-    def stop(reason: str) -> None:
+    def stop() -> None:
         if not stopping:
             stopping.append(time.monotonic())
-            log.info("node %d: %s: stopping its replicas (they drain, up to %.0f s)", node_rank, reason, drain_timeout)
             stop_replicas(replicas)
 
-    signal.signal(signal.SIGTERM, lambda *_: stop("SIGTERM"))
-    signal.signal(signal.SIGINT, lambda *_: stop("SIGINT"))
+    def stop_for(reason: str) -> None:
+        if not stopping:
+            log.info("node %d: %s: stopping its replicas (they drain, up to %.0f s)", node_rank, reason, drain_timeout)
+        stop()
+
+    on_stop_signals(f"draining node {node_rank}'s {len(replicas)} replicas", drain_timeout, drain=stop,
+                    end_now=lambda: stop_replicas(replicas))
     announced: set[int] = set()
     reported: set[int] = set()
     while len(reported) < len(replicas):
@@ -204,9 +192,9 @@ def serve_node(config: Config, argv: list[str], node_rank: int, drain_timeout: f
                     registry.report_down(index, reason)
                     reported.add(index)
             if registry.stopping():
-                stop("node 0 stops the deployment")
+                stop_for("node 0 stops the deployment")
         except Exception as e:  # the store is gone with node 0
-            stop(f"node 0's registry stopped answering ({type(e).__name__})")
+            stop_for(f"node 0's registry stopped answering ({type(e).__name__})")
             reported.update(ended)
         if stopping and time.monotonic() - stopping[0] > drain_timeout + STOP_GRACE_S:
             wait_stopped(replicas, 0.0)
@@ -263,28 +251,15 @@ def _watch_remote(registry: ReplicaRegistry, remote: list[int], inbox: WakingInb
     threading.Thread(target=watch, name="meshserve-registry", daemon=True).start()
 
 
-def _on_signals(door: FrontDoor, replicas: list[ReplicaProcess], registry: ReplicaRegistry | None,
-                drain_timeout: float) -> None:
-    """The first SIGTERM/SIGINT drains: the front door refuses new requests and every replica
-    finishes its own (up to `drain_timeout`); a later one ends them now."""
-    first: list[float] = []
-
-    def on_signal(signum, frame):
-        name = signal.Signals(signum).name
-        if not first:
-            first.append(time.monotonic())
-            log.info("%s: draining %d replicas (up to %.0f s; a second signal ends the requests now)", name,
-                     len(replicas), drain_timeout)
-            door.request_stop(drain_timeout + STOP_GRACE_S)
-            if registry is not None:
-                registry.stop()
-            stop_replicas(replicas, signal.SIGTERM)
-        elif time.monotonic() - first[0] >= SAME_SIGNAL_S:
-            log.warning("second %s: ending the requests in flight now", name)
-            stop_replicas(replicas, signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+def _drain(door: FrontDoor, replicas: list[ReplicaProcess], registry: ReplicaRegistry | None,
+           drain_timeout: float) -> None:
+    """The front door refuses new requests, the other nodes are told to stop theirs, and every
+    replica gets its first SIGTERM: it finishes its requests (up to `drain_timeout`). A
+    replica's second SIGTERM (`end_now`) ends them now, as a single replica's does."""
+    door.request_stop(drain_timeout + STOP_GRACE_S)
+    if registry is not None:
+        registry.stop()
+    stop_replicas(replicas)
 
 
 def _reset_prefix_caches(urls: dict[int, str | None], router: Router, api_key: str | None) -> int:

@@ -1,7 +1,7 @@
 """A Llama stage's decoder layers in one C++ call for the eager decode steps of the cpu
-backend (cpu_decode_layers.cpp): the same kernels, in the same order, as the Python loop of
-layers/llama.py, without the ~15 op calls a layer from Python around them (~6 ms of a 33.5 ms
-SmolLM2 step at batch 1 on a 2-core EPYC).
+backend (kernels/cpu_decode_layers.cpp): the same kernels, in the same order, as the Python
+loop of layers/llama.py, without the many op calls a layer makes from Python around them (a
+large share of a small model's step at batch 1).
 
 It takes the layers where each op is one of meshserve's C++ kernels: the Llama attention and
 MLP as they are (no QKV bias, no per-head norm, no experts), every product meshserve's own
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.layers.kernels import cpu_library
-from meshserve.layers.kernels.cpu_backend import CpuBackend
+from meshserve.layers.cpu_backend import CpuBackend
+from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.llama import LlamaAttention, LlamaMLP
 from meshserve.layers.matmul import DenseCpuMatmul
 from meshserve.layers.norm import RMSNorm
@@ -24,10 +24,10 @@ from meshserve.layers.norm import RMSNorm
 class FusedDecodeLayers:
     """Runs `layers` (one stage's LlamaDecoderLayers) over a decode-only step."""
 
-    def __init__(self, layers, num_heads: int, num_kv_heads: int, eps: float, scale: float):
+    def __init__(self, layers, num_heads: int, num_kv_heads: int, eps: float, scale: float, library: CpuLibrary):
         self.weights = [w for layer in layers for w in _layer_weights(layer)]
         self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
-        self.op = cpu_library.ops.decode_layers
+        self.op = library.ops.decode_layers
 
     def runs(self, kv_caches, meta) -> bool:
         """Whether this step can take the fused call: eager, decode-only, a cache in the
@@ -62,7 +62,7 @@ def fused_decode_layers(model) -> FusedDecodeLayers | None:
     """The fused call for `model` (a LlamaForCausalLM, weights prepared), or None where one
     of its ops is not this library's kernel."""
     layers = list(model.model.layers)
-    if not layers or type(model.backend) is not CpuBackend or cpu_library.ops is None:
+    if not layers or type(model.backend) is not CpuBackend:
         return None
     if not all(_fusable(layer) for layer in layers):
         return None
@@ -70,4 +70,5 @@ def fused_decode_layers(model) -> FusedDecodeLayers | None:
     if len(eps) != 1:  # the op takes one
         return None
     attn = layers[0].self_attn
-    return FusedDecodeLayers(layers, attn.local_num_heads, attn.local_num_kv_heads, eps.pop(), attn.attn.scale)
+    return FusedDecodeLayers(layers, attn.local_num_heads, attn.local_num_kv_heads, eps.pop(), attn.attn.scale,
+                             model.backend.library)

@@ -89,8 +89,8 @@ def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tabl
              [starts[i] for i in prefills], [query_lens[i] for i in prefills], [seq_lens[i] for i in prefills],
              p_tables]
     # Every part starts on 16 bytes: Triton specializes a kernel on its pointers' alignment, and
-    # parts at odd offsets compiled extra variants of the attention kernels mid-serving (0.6-1 s
-    # each, on an H200, paid by whichever request first met that alignment).
+    # parts at odd offsets compiled extra variants of the attention kernels mid-serving (a
+    # noticeable stall each, paid by whichever request first met that alignment).
     sizes = [len(p) for p in parts]
     aligned = [-(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS for n in sizes]
     flat = torch.tensor([x for p, n in zip(parts, aligned) for x in [*p, *[0] * (n - len(p))]], dtype=torch.long)
