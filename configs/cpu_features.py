@@ -47,6 +47,12 @@ class CpuFeatures:
         bf16 to float32 around every multiply, slower than float32 itself."""
         return not self.known or bool(self.flags & {"avx512_bf16", "amx_bf16"})
 
+    @property
+    def amx_bf16(self) -> bool:
+        """AMX's bf16 tiles (TDPBF16PS): meshserve's AMX product (cpu_amx_linear.cpp) runs.
+        Never assumed where the flags are unknown: the instructions fault without them."""
+        return self.known and {"amx_tile", "amx_bf16"} <= self.flags
+
     def runs(self, isa: str) -> bool:
         if isa not in ISA_FLAGS:
             raise ValueError(f"unknown CPU kernel build {isa!r} ({', '.join(ISAS)})")

@@ -13,7 +13,7 @@ from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.quantization import Quantization
 from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.matmul import PackedCpuMatmul
-from meshserve.layers.matmul_plan import DensePanels, onednn_packs, plan_matmuls
+from meshserve.layers.matmul_plan import AmxTiles, DensePanels, onednn_packs, plan_matmuls
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -56,7 +56,7 @@ def measure_matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, dev
         # NOTE: not torch.mm as well: in bf16 on a CPU without bf16 dot products it is so slow
         # that timing it alone would lengthen every bf16 start by seconds
         best = _best_of(lambda: prepared(a), repeats)
-        if isinstance(kernel, DensePanels) and onednn_packs(dtype):
+        if isinstance(kernel, (DensePanels, AmxTiles)) and onednn_packs(dtype):
             # meshserve's kernel is tuned to decoders' widths: at this n oneDNN's packed
             # product is the machine's peak
             packed = PackedCpuMatmul(b.t().contiguous())

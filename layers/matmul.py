@@ -93,6 +93,24 @@ class DenseCpuMatmul:
         return self.gather(self.weight, ids).to(self.dtype)
 
 
+class AmxCpuMatmul:
+    """meshserve's AMX product (layers/kernels/cpu_amx_linear.cpp): a bfloat16 weight whose
+    inputs are a multiple of STEP_K, permuted once into AMX tile order (a copy; N padded to 32),
+    multiplied by AMX's bf16 tiles into float32 sums, 32 outputs by up to 32 rows a pass, each
+    block of the weight one sequential stream. The avx512 build on a CPU with AMX-BF16."""
+
+    STEP_K = 32
+    """Inputs a tile row holds: the weight's in-features must be a multiple."""
+
+    def __init__(self, weight: torch.Tensor, library: CpuLibrary):
+        self.out_features = weight.shape[0]
+        self.packed = library.ops.amx_pack(weight.detach())
+        self.op = library.ops.amx_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.packed, self.out_features)
+
+
 def bf16_exact(weight: torch.Tensor, chunk: int = 1 << 22) -> bool:
     """Whether every element of a float32 `weight` is a bfloat16 number (its low 16 bits
     zero), as a bf16 checkpoint's weights are once read in float32. Kept in bf16 they are the

@@ -5,11 +5,12 @@ kernel prepares a weight (returns what multiplies it from then on, None for the 
 stored) and says what it is, for the start-up line; the plan counts the weights kept in
 bf16, which the MBU cost reads. Nothing else decides or re-derives the choice.
 
-The choice for unquantized weights, in order: meshserve's C++ product in panels on the
-avx2/avx512 builds (float32, and bf16 where the CPU has no bf16 dot products: with AMX or
-AVX512-BF16 oneDNN's bf16 product is the faster one); else oneDNN's packed product where
-oneDNN multiplies the dtype; else, for bf16 without bf16 dot products, widened float32
-products of many rows; else the weight as stored (torch's product; CUDA).
+The choice for unquantized weights, in order: meshserve's AMX product for bf16 on the avx512
+build where the CPU has AMX-BF16; meshserve's C++ product in panels on the avx2/avx512 builds
+(float32, and bf16 where the CPU has no bf16 dot products: with AVX512-BF16 oneDNN's bf16
+product is the faster one); else oneDNN's packed product where oneDNN multiplies the dtype;
+else, for bf16 without bf16 dot products, widened float32 products of many rows; else the
+weight as stored (torch's product; CUDA).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.quantization import Quantization
 from meshserve.layers.kernels.cpu_library import CpuLibrary
-from meshserve.layers.matmul import DENSE_ISAS, DenseCpuMatmul, PackedCpuMatmul, WidenedCpuMatmul
+from meshserve.layers.matmul import DENSE_ISAS, AmxCpuMatmul, DenseCpuMatmul, PackedCpuMatmul, WidenedCpuMatmul
 from meshserve.layers.quant import Int4Matmul, Int8DynamicMatmul, Int8Matmul, W8A8Matmul, kernel_dtype
 
 
@@ -108,6 +109,22 @@ class DensePanels(MatmulKernel):
         return f"C++ {DENSE_ISAS[self.library.isa]} on {_name(self.dtype)} weights in panels{kept}"
 
 
+@dataclass
+class AmxTiles(MatmulKernel):
+    """meshserve's AMX product (layers.matmul.AmxCpuMatmul); a weight whose in-features are
+    not a multiple of its tile row takes oneDNN's packed product."""
+
+    library: CpuLibrary
+
+    def product(self, weight):
+        if weight.shape[1] % AmxCpuMatmul.STEP_K:
+            return PackedCpuMatmul(weight)
+        return AmxCpuMatmul(weight, self.library)
+
+    def describe(self) -> str:
+        return "C++ AMX tiles on bfloat16 weights"
+
+
 def _inputs(act_dtype: torch.dtype) -> str:
     """How a float32 model's weight-only kernels take their inputs (layers.quant.kernel_dtype)."""
     kernel = kernel_dtype(act_dtype)
@@ -162,7 +179,10 @@ def unquantized_kernel(device: torch.device | str, dtype: torch.dtype, library: 
     """The product of unquantized `dtype` weights on `device` (this module's docstring)."""
     if torch.device(device).type != "cpu":
         return StoredWeight(dtype)
-    bf16_compute = cpu_features().bf16_compute
+    features = cpu_features()
+    if library is not None and library.isa == "avx512" and dtype == torch.bfloat16 and features.amx_bf16:
+        return AmxTiles(library)
+    bf16_compute = features.bf16_compute
     if library is not None and library.isa in DENSE_ISAS and (
             dtype == torch.float32 or (dtype == torch.bfloat16 and not bf16_compute)):
         return DensePanels(library, dtype)

@@ -8,7 +8,10 @@ probe (the one decode MBU is taken against, engine.perf), all interleaved in one
 medians of --rounds. Kernels: meshserve's product (layers/kernels/cpu_dense_linear.cpp, the
 weights in its panels) in each vector build this CPU runs (avx512, avx2) on float32 and bf16
 weights, and oneDNN's float32 `F.linear`, on the weight as stored and packed once into its
-blocked layout (layers/matmul.py PackedCpuMatmul).
+blocked layout (layers/matmul.py PackedCpuMatmul). Where the CPU has AMX-BF16 also
+meshserve's AMX product (layers/kernels/cpu_amx_linear.cpp) on bf16 rows, and, where oneDNN
+multiplies bf16, oneDNN's packed bf16 product (what bf16 models took before the AMX product,
+and vLLM's CPU build's).
 
     python scripts/bench_decode_products.py [--rows 1 32] [--rounds 15] [--output FILE.json]
 """
@@ -25,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.engine.perf import measure_memory_bandwidth
+from meshserve.configs.cpu_features import cpu_features
 from meshserve.layers.kernels import cpu_library
-from meshserve.layers.matmul import PackedCpuMatmul
+from meshserve.layers.matmul import AmxCpuMatmul, PackedCpuMatmul
+from meshserve.layers.matmul_plan import onednn_packs
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD_SHAPE = (49152, 576)
@@ -50,6 +55,15 @@ def passes(rows: int, builds: dict) -> dict:
             panels = [ops.pack_panels(w) for w in weights]
             out[f"meshserve_{isa}_{tag}"] = ((lambda ps=panels, xs=inputs, op=ops.dense_linear:
                                               [op(xs[p.shape[1]], p) for p in ps]), nbytes)
+        if dtype == torch.bfloat16:
+            rows16 = {k: x.bfloat16() for k, x in inputs.items()}
+            if "avx512" in builds and cpu_features().amx_bf16:
+                library = cpu_library.CpuLibrary("avx512", builds["avx512"])
+                amx = [(AmxCpuMatmul(w, library), rows16[w.shape[1]]) for w in weights]
+                out["meshserve_amx_bfloat16"] = ((lambda pairs=amx: [p(x) for p, x in pairs]), nbytes)
+            if onednn_packs(dtype):
+                packed16 = [(PackedCpuMatmul(w), rows16[w.shape[1]]) for w in weights]
+                out["onednn_packed_bfloat16"] = ((lambda pairs=packed16: [p(x) for p, x in pairs]), nbytes)
         if dtype == torch.float32:
             out["onednn_float32"] = ((lambda ws=weights, xs=inputs: [F.linear(xs[w.shape[1]], w) for w in ws]), nbytes)
             packed = [PackedCpuMatmul(w) for w in weights]

@@ -35,14 +35,16 @@ REPO = HERE.parent
 CONFIGS = REPO / "configs"
 
 SWITCHES = {
-    "float32": [],
+    "default": [],
+    "float32": ["model.dtype=float32"],
     "bfloat16": ["model.dtype=bfloat16"],
     "int8 (bf16)": ["model.quantization=int8"],
     "int4 (smollm2-cpu-int4.yaml)": [f"@{CONFIGS / 'smollm2-cpu-int4.yaml'}"],
     "float32+int4": ["model.dtype=float32", "model.quantization=int4"],
     "w8a8 (smollm2-cpu-w8a8.yaml)": [f"@{CONFIGS / 'smollm2-cpu-w8a8.yaml'}"],
 }
-"""name -> overrides; `@FILE` names the config file the overrides apply to."""
+"""name -> overrides; `@FILE` names the config file the overrides apply to. `default` is
+`meshserve serve` with no flags, whatever model.dtype auto resolves to on this machine."""
 
 KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 

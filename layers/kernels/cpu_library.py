@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE_NAMES = ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp",
-                "cpu_sample.cpp", "cpu_dense_linear.cpp", "cpu_decode_layers.cpp")
+                "cpu_sample.cpp", "cpu_dense_linear.cpp", "cpu_decode_layers.cpp", "cpu_amx_linear.cpp")
 HEADER_NAMES = ("cpu_vec.h",)
 SOURCES = [KERNEL_DIR / name for name in SOURCE_NAMES]
 
@@ -249,11 +249,19 @@ def _panel_rows_shape(weight, ids):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
+def _amx_linear_shape(x, packed, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _amx_pack_shape(weight):
+    return weight.new_empty((-(-weight.shape[0] // 32), weight.shape[1] * 32), dtype=torch.bfloat16)
+
+
 SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
           "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
           "rms_norm": _rms_norm_shape, "silu_and_mul": _silu_and_mul_shape, "argmax_rows": _argmax_rows_shape,
           "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape, "dense_linear": _dense_linear_shape,
           "pack_panels": _pack_panels_shape, "panel_rows": _panel_rows_shape,
-          "rotary": _rotary_shape}
+          "rotary": _rotary_shape, "amx_linear": _amx_linear_shape, "amx_pack": _amx_pack_shape}
 """Each op's shape function, for torch.compile."""

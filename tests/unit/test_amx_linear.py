@@ -1,0 +1,149 @@
+"""meshserve's AMX product (layers/kernels/cpu_amx_linear.cpp): bf16 weights in AMX tile order
+times bf16 rows, float32 sums, against torch's product in float32 of the same numbers; the
+matmul plan takes it for bf16 models on the avx512 build where the CPU has AMX-BF16, and
+nowhere else. The products run only on such a CPU (skipped elsewhere, naming the feature);
+the plan's choice and the other builds' refusal are checked on any CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshserve.comm.groups import AxisGroup
+from meshserve.configs.cpu_features import CpuFeatures, cpu_features
+from meshserve.layers import matmul_plan
+from meshserve.layers.kernels import cpu_library
+from meshserve.layers.kernels.cpu_library import CpuLibrary
+from meshserve.layers.linear import ColumnParallelLinear
+from meshserve.layers.matmul import AmxCpuMatmul, PackedCpuMatmul
+from meshserve.layers.weights import MemoryTensor
+
+AMX = cpu_features().amx_bf16 and cpu_features().runs("avx512")
+needs_amx = pytest.mark.skipif(not AMX, reason="needs AMX-BF16 (and the avx512 build)")
+SHAPES = [(1, 32, 32), (1, 96, 64), (5, 50, 64), (16, 64, 576), (17, 13, 96), (32, 96, 1536), (33, 80, 576),
+          (70, 40, 64), (300, 50, 128), (0, 32, 64)]
+"""(rows, out, in): one row, each tile height and past it (16 and 32 rows a pass), outputs
+not a multiple of 32 (the last block's padding), the inputs of SmolLM2's products, no rows."""
+
+
+def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Within the bf16 rounding of the output: the sums are float32 either way."""
+    want = F.linear(x.float(), w.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def avx512() -> CpuLibrary:
+    build = cpu_library.load("avx512")
+    if build is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    return build
+
+
+@needs_amx
+def test_the_amx_product_matches_torch(avx512):
+    g = torch.Generator().manual_seed(0)
+    for rows, n, k in SHAPES:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        packed = avx512.ops.amx_pack(w)
+        assert packed.shape == (-(-n // 32), 32 * k) and packed.dtype == torch.bfloat16
+        _close(avx512.ops.amx_linear(x, packed, n), x, w)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    x3 = torch.randn(2, 3, 64, generator=g).bfloat16()
+    _close(avx512.ops.amx_linear(x3, avx512.ops.amx_pack(w), 40), x3, w)
+    strided = torch.randn(7, 128, generator=g).bfloat16()[:, ::2]  # a view: copied to rows
+    _close(avx512.ops.amx_linear(strided, avx512.ops.amx_pack(w), 40), strided, w)
+
+
+@needs_amx
+def test_the_amx_product_refuses_what_it_cannot_multiply(avx512):
+    w = torch.randn(40, 64).bfloat16()
+    packed = avx512.ops.amx_pack(w)
+    with pytest.raises(RuntimeError, match="multiple of 32 inputs"):
+        avx512.ops.amx_pack(torch.randn(8, 20).bfloat16())
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        avx512.ops.amx_linear(torch.randn(2, 64), packed, 40)
+    with pytest.raises(RuntimeError, match="from amx_pack, for inputs of 32"):
+        avx512.ops.amx_linear(torch.randn(2, 32).bfloat16(), packed, 40)
+    with pytest.raises(RuntimeError, match="65 outputs for a weight of 2 blocks"):
+        avx512.ops.amx_linear(torch.randn(2, 64).bfloat16(), packed, 65)
+
+
+@pytest.mark.parametrize("isa", [isa for isa in ("avx2", "scalar") if cpu_features().runs(isa)])
+def test_the_other_builds_refuse_the_amx_product(isa):
+    build = cpu_library.load(isa)
+    if build is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    packed = build.ops.amx_pack(torch.randn(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="avx512 build"):
+        build.ops.amx_linear(torch.randn(2, 64).bfloat16(), packed, 40)
+
+
+AMX_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "avx512_bf16",
+                       "amx_tile", "amx_bf16"})
+
+
+def test_the_plan_takes_the_amx_product_for_bf16_on_amx_cpus(monkeypatch):
+    """bf16 on the avx512 build of an AMX CPU; float32, another build, or a CPU without AMX
+    keep what they took before (the panels, oneDNN's packed bf16)."""
+    avx512, avx2 = CpuLibrary("avx512", None), CpuLibrary("avx2", None)
+    monkeypatch.setattr(matmul_plan, "cpu_features", lambda: CpuFeatures(AMX_FLAGS))
+    plan = matmul_plan.plan_matmuls("cpu", torch.bfloat16, library=avx512)
+    assert isinstance(plan.linear, matmul_plan.AmxTiles) and plan.describe() == "C++ AMX tiles on bfloat16 weights"
+    assert isinstance(plan.head, matmul_plan.AmxTiles) and isinstance(plan.router, matmul_plan.AmxTiles)
+    assert isinstance(matmul_plan.plan_matmuls("cpu", torch.float32, library=avx512).linear, matmul_plan.DensePanels)
+    assert not isinstance(matmul_plan.plan_matmuls("cpu", torch.bfloat16, library=avx2).linear, matmul_plan.AmxTiles)
+    assert not isinstance(matmul_plan.plan_matmuls("cpu", torch.bfloat16, "int8", avx512).linear,
+                          matmul_plan.AmxTiles)
+    no_amx = AMX_FLAGS - {"amx_tile", "amx_bf16"}
+    monkeypatch.setattr(matmul_plan, "cpu_features", lambda: CpuFeatures(no_amx))
+    assert not isinstance(matmul_plan.plan_matmuls("cpu", torch.bfloat16, library=avx512).linear,
+                          matmul_plan.AmxTiles)
+    assert not CpuFeatures(AMX_FLAGS, known=False).amx_bf16  # never assumed
+
+
+@needs_amx
+def test_a_bf16_linear_on_amx_multiplies_by_tiles(avx512):
+    """A layer's weight in tile order replaces the stored one; a weight whose inputs are not
+    a multiple of 32 takes oneDNN's packed product."""
+    tp = AxisGroup.single("tp")
+    g = torch.Generator().manual_seed(1)
+    plan = matmul_plan.plan_matmuls("cpu", torch.bfloat16, library=avx512)
+    for k, product in ((64, AmxCpuMatmul), (20, PackedCpuMatmul)):
+        w = torch.randn(96, k, generator=g).bfloat16()
+        col = ColumnParallelLinear(k, 96, tp, dtype=torch.bfloat16)
+        col.weight.weight_loader(col.weight, MemoryTensor(w))
+        col.pack_weight(plan)
+        assert isinstance(col.packed, product) and col.weight.numel() == 0
+        x = torch.randn(9, k, generator=g).bfloat16()
+        _close(col(x), x, w)
+
+
+@needs_amx
+def test_a_bf16_model_on_amx_is_as_close_to_float32_as_transformers_bf16(tiny_checkpoints):
+    """The whole model's prompt logits with every product on AMX tiles (chunked too, reading
+    the cache) against transformers' float32 ones: no further than transformers' own bf16
+    run is; and a compiled decode step (the op's shape function) gives eager's tokens."""
+    from meshserve.comm.messages import SamplingParams
+    from meshserve.engine.offline import generate
+    from support.engines import make_engine
+    from support.reference import hf_logits, hf_model, meshserve_logits
+
+    path = tiny_checkpoints["llama"]
+    prompts = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341))]
+    exact = [hf_logits(hf_model(path), p) for p in prompts]
+    hf16 = [hf_logits(hf_model(path, torch.bfloat16), p).float() for p in prompts]
+    for ours in (meshserve_logits(path, prompts, torch.bfloat16),
+                 meshserve_logits(path, prompts, torch.bfloat16, chunk=5, block_size=4)):
+        for got, ref, want in zip(ours, hf16, exact):
+            err, hf_err = ((got.float() - want).norm() / want.norm()).item(), ((ref - want).norm() / want.norm()).item()
+            assert err < 2 * hf_err + 1e-3, (err, hf_err)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
+    eager = make_engine(path, "model.dtype=bfloat16")
+    assert "C++ AMX tiles" in eager.executor.runner.model.matmuls.describe()
+    compiled = make_engine(path, "model.dtype=bfloat16", "device.compile=true")
+    want = [c.token_ids for c in generate(eager, prompts, params)]
+    assert [c.token_ids for c in generate(compiled, prompts, params)] == want
