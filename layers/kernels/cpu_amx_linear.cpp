@@ -42,6 +42,10 @@ constexpr int64_t kBlockN = 32;  // outputs a block: two 16-column tiles
 constexpr int64_t kStepK = 32;   // inputs a k step: one tile row of bf16
 constexpr int64_t kBlockM = 32;  // x rows a pass: two 16-row tiles
 constexpr int64_t kTileElems = 16 * 32;
+#ifndef AMX_CHUNK_BYTES
+#define AMX_CHUNK_BYTES (512 * 1024)
+#endif
+constexpr int64_t kChunkBytes = AMX_CHUNK_BYTES;
 
 #if defined(MESHSERVE_AMX)
 
@@ -138,21 +142,26 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   const auto* xp = x2.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
+  // the blocks a chunk of weights that stays in L2 while every row block of x passes
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kBlockN * static_cast<int64_t>(sizeof(c10::BFloat16))));
   if (M > 0) {
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float sums[kBlockM * kBlockN];
       int configured = 0;
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
+      for (int64_t first = begin; first < end; first += chunk) {
+        const int64_t last = std::min(end, first + chunk);
         for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
           const int rows = static_cast<int>(std::min(kBlockM, M - m0));
           if (rows != configured) {
             configure(std::min(16, rows), std::max(0, rows - 16));
             configured = rows;
           }
-          if (cols > 0) {
-            block(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
-            store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
+          for (int64_t b = first; b < last; ++b) {
+            const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
+            if (cols > 0) {
+              block(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
+              store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
+            }
           }
         }
       }
