@@ -42,10 +42,7 @@ constexpr int64_t kBlockN = 32;  // outputs a block: two 16-column tiles
 constexpr int64_t kStepK = 32;   // inputs a k step: one tile row of bf16
 constexpr int64_t kBlockM = 32;  // x rows a pass: two 16-row tiles
 constexpr int64_t kTileElems = 16 * 32;
-#ifndef AMX_CHUNK_BYTES
-#define AMX_CHUNK_BYTES (512 * 1024)
-#endif
-constexpr int64_t kChunkBytes = AMX_CHUNK_BYTES;
+constexpr int64_t kChunkBytes = 512 * 1024;  // weights a chunk: kept in L2 while x's row blocks pass
 
 #if defined(MESHSERVE_AMX)
 
