@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, StrictInt,
                       StrictStr, field_validator, model_validator)
 
+from meshserve.configs.cpu_features import CpuFeatures, cpu_features
 from meshserve.configs.quantization import Quantization
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
@@ -40,7 +41,8 @@ class ModelConfig(Section):
     path: str = BUILTIN_DEFAULT_MODEL
     """HF directory (config.json + *.safetensors), a .gguf file, or `builtin:<name>`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """`auto`: float32 on CPU, bfloat16 on CUDA or with model.quantization."""
+    """`auto`: bfloat16 on CUDA, with model.quantization, or on a CPU with bf16 dot products
+    (AMX or AVX512-BF16); float32 on other CPUs. The start-up line says which and why."""
     tokenizer: str | None = None
     """Tokenizer directory; by default the model's own (HF directory or GGUF file)."""
     max_model_len: PositiveInt | None = None
@@ -431,8 +433,27 @@ class Config(Section):
 
     @property
     def torch_dtype_name(self) -> str:
-        """The resolved dtype name (`auto` becomes float32 on CPU, bfloat16 on CUDA or with
-        model.quantization: the CPU int4/int8 kernels are far slower with float32 inputs)."""
+        """The resolved dtype name (see `dtype_choice`)."""
+        return self.dtype_choice[0]
+
+    @property
+    def dtype_choice(self) -> tuple[str, str]:
+        """The resolved dtype name and why it was taken, on this machine's CPU (`dtype_on`)."""
+        return self.dtype_on(cpu_features())
+
+    def dtype_on(self, cpu: CpuFeatures) -> tuple[str, str]:
+        """The resolved dtype name on `cpu`, and why. `auto` takes bfloat16 on CUDA, with
+        model.quantization (the CPU int4/int8 kernels are far slower with float32 inputs) and on
+        CPUs with bf16 dot products (AMX or AVX512-BF16, where bf16 is the fastest correct path);
+        float32 on other CPUs, where oneDNN widens bf16 to float32 around every multiply."""
         if self.model.dtype != "auto":
-            return self.model.dtype
-        return "bfloat16" if self.device.type == "cuda" or self.model.quantization != Quantization.NONE else "float32"
+            return self.model.dtype, "as model.dtype says"
+        if self.device.type == "cuda":
+            return "bfloat16", "model.dtype=auto on CUDA"
+        if self.model.quantization != Quantization.NONE:
+            return "bfloat16", f"model.dtype=auto with model.quantization={self.model.quantization}"
+        if cpu.known and cpu.bf16_compute:
+            unit = "AMX" if cpu.amx_bf16 else "AVX512-BF16"
+            return "bfloat16", (f"model.dtype=auto on a CPU with bf16 dot products ({unit}); "
+                                f"model.dtype=float32 computes in float32")
+        return "float32", f"model.dtype=auto on a CPU without bf16 dot products ({cpu.describe()})"

@@ -214,10 +214,13 @@ def expert_problems(config: Config, info: ModelInfo) -> list[str]:
 
 def draft_config(config: Config, info: ModelInfo) -> Config:
     """The config the draft model (speculative.method=draft) runs under: one rank on the
-    driver, its own dtype, quantization and KV cache, the target's context length and tokenizer."""
+    driver, its own dtype, quantization and KV cache, the target's context length and tokenizer.
+    An unquantized draft's `auto` dtype is the target's resolved one (a quantized draft's, the
+    quantized kernels' bfloat16)."""
     spec = config.speculative
+    dtype = config.torch_dtype_name if spec.dtype == "auto" and spec.quantization == Quantization.NONE else spec.dtype
     return config.model_copy(update={
-        "model": ModelConfig(path=spec.model, dtype=spec.dtype, quantization=spec.quantization,
+        "model": ModelConfig(path=spec.model, dtype=dtype, quantization=spec.quantization,
                              tokenizer=config.model.tokenizer, max_model_len=resolved_max_model_len(config, info)),
         "parallel": ParallelConfig(),
         "device": config.device.model_copy(update={"compile": False, "cpu_bind": "none"}),

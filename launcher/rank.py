@@ -215,10 +215,12 @@ def _say_kernels(config: Config, env: RankEnv, runner: ModelRunner) -> None:
 
 
 def _model_line(config: Config, info: ModelInfo, groups: Groups) -> str:
-    """What this rank loads, e.g. `30 layers of 30 (stage 1/1, tp rank 0/1), bfloat16, int4`."""
+    """What this rank loads, e.g. `30 layers of 30 (stage 1/1, tp rank 0/1), bfloat16 (as
+    model.dtype says), quantization int4`."""
     counts = stage_layers(config, info)
+    dtype, why = config.dtype_choice
     return (f"{counts[groups.pp.rank]} layers of {info.num_hidden_layers} (stage {groups.pp.rank + 1}/{groups.pp.size}, "
-            f"tp rank {groups.tp.rank}/{groups.tp.size}), {config.torch_dtype_name}, quantization "
+            f"tp rank {groups.tp.rank}/{groups.tp.size}), {dtype} ({why}), quantization "
             f"{config.model.quantization}")
 
 

@@ -97,15 +97,16 @@ class AmxCpuMatmul:
     """meshserve's AMX product (layers/kernels/cpu_amx_linear.cpp): a bfloat16 weight whose
     inputs are a multiple of STEP_K, permuted once into AMX tile order (a copy; N padded to 32),
     multiplied by AMX's bf16 tiles into float32 sums, 32 outputs by up to 32 rows a pass, each
-    block of the weight one sequential stream. The avx512 build on a CPU with AMX-BF16."""
+    block of the weight one sequential stream. The avx512 build on a CPU with AMX-BF16.
+    `float_out`: the float32 sums are the output (the LM head's logits), not rounded to bf16."""
 
     STEP_K = 32
     """Inputs a tile row holds: the weight's in-features must be a multiple."""
 
-    def __init__(self, weight: torch.Tensor, library: CpuLibrary):
-        self.out_features = weight.shape[0]
+    def __init__(self, weight: torch.Tensor, library: CpuLibrary, float_out: bool = False):
+        self.out_features, self.float_out = weight.shape[0], float_out
         self.packed = library.ops.amx_pack(weight.detach())
-        self.op = library.ops.amx_linear
+        self.op = library.ops.amx_linear_f32 if float_out else library.ops.amx_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.packed, self.out_features)

@@ -112,17 +112,21 @@ class DensePanels(MatmulKernel):
 @dataclass
 class AmxTiles(MatmulKernel):
     """meshserve's AMX product (layers.matmul.AmxCpuMatmul); a weight whose in-features are
-    not a multiple of its tile row takes oneDNN's packed product."""
+    not a multiple of its tile row takes oneDNN's packed product. `float_out` (the LM head):
+    the float32 sums are the logits; rounded to bf16, logits a few hundredths apart become
+    equal and greedy decoding picks between ties (SmolLM2's answer to "What is the capital
+    of France?" then starts with another word than float32's)."""
 
     library: CpuLibrary
+    float_out: bool = False
 
     def product(self, weight):
         if weight.shape[1] % AmxCpuMatmul.STEP_K:
             return PackedCpuMatmul(weight)
-        return AmxCpuMatmul(weight, self.library)
+        return AmxCpuMatmul(weight, self.library, self.float_out)
 
     def describe(self) -> str:
-        return "C++ AMX tiles on bfloat16 weights"
+        return "C++ AMX tiles on bfloat16 weights" + (", float32 out" if self.float_out else "")
 
 
 def _inputs(act_dtype: torch.dtype) -> str:
@@ -250,6 +254,7 @@ def plan_matmuls(device: torch.device | str, dtype: torch.dtype, quantization: Q
     load_dtype = torch.float32 if quantization.quantized else dtype
     plain = unquantized_kernel(device, load_dtype, library)
     if not quantization.quantized:
-        return MatmulPlan(quantization, load_dtype, plain, plain, plain, library)
+        head = AmxTiles(library, float_out=True) if isinstance(plain, AmxTiles) else plain
+        return MatmulPlan(quantization, load_dtype, plain, head, plain, library)
     return MatmulPlan(quantization, load_dtype, quantized_kernel(quantization, dtype, library),
                       quantized_kernel(quantization.head, dtype, library, int8_inputs=True), plain, library)

@@ -1,5 +1,7 @@
-// amx_linear(x, packed, out_features): y = x W^T for bfloat16 x [..., K] and W [N, K] packed
-// by amx_pack into AMX tile order; y in bfloat16, summed in float32 by the tiles.
+// amx_linear(x, packed, out_features): y = x W^T for bfloat16 x [..., K] and W [N, K] packed by
+// amx_pack into AMX tile order, summed in float32 by the tiles; y in bfloat16.
+// amx_linear_f32: the same, y the float32 sums themselves (the LM head's logits: rounded to
+// bf16, near logits become equal and greedy decoding picks between ties).
 // amx_pack(weight): W [N, K] (K a multiple of 32) in tile order, N padded with zero rows to a
 // multiple of 32.
 //
@@ -121,9 +123,49 @@ void store_block(const float* sums, int rows, int64_t cols, c10::BFloat16* y, in
   }
 }
 
+// the same, in float32
+void store_block(const float* sums, int rows, int64_t cols, float* y, int64_t ldy) {
+  for (int m = 0; m < rows; ++m) std::copy(sums + m * kBlockN, sums + m * kBlockN + cols, y + m * ldy);
+}
+
 #endif
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+#if defined(MESHSERVE_AMX)
+// y [M, out_features] = x2 [M, K] times the packed weight's `blocks` blocks, in out_t.
+template <typename out_t>
+void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_features, at::Tensor& y) {
+  const int64_t M = x2.size(0), K = x2.size(1), blocks = packed.size(0);
+  const auto* xp = x2.data_ptr<c10::BFloat16>();
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<out_t>();
+  // the blocks a chunk of weights that stays in L2 while every row block of x passes
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kBlockN * static_cast<int64_t>(sizeof(c10::BFloat16))));
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kBlockM * kBlockN];
+    int configured = 0;
+    for (int64_t first = begin; first < end; first += chunk) {
+      const int64_t last = std::min(end, first + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
+        const int rows = static_cast<int>(std::min(kBlockM, M - m0));
+        if (rows != configured) {
+          configure(std::min(16, rows), std::max(0, rows - 16));
+          configured = rows;
+        }
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
+          if (cols > 0) {
+            block(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
+            store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
+          }
+        }
+      }
+    }
+    if (configured) release();
+  });
+}
+#endif
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, bool float_out) {
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_linear: x and the packed weight must be bfloat16");
@@ -134,36 +176,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
 #if defined(MESHSERVE_AMX)
   TORCH_CHECK(amx_permitted(), "amx_linear: Linux refused this process AMX's tile state");
   const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0), blocks = packed.size(0);
-  auto y = at::empty({M, out_features}, x.options());
-  const auto* xp = x2.data_ptr<c10::BFloat16>();
-  const auto* wp = packed.data_ptr<c10::BFloat16>();
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  // the blocks a chunk of weights that stays in L2 while every row block of x passes
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kBlockN * static_cast<int64_t>(sizeof(c10::BFloat16))));
-  if (M > 0) {
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      alignas(64) float sums[kBlockM * kBlockN];
-      int configured = 0;
-      for (int64_t first = begin; first < end; first += chunk) {
-        const int64_t last = std::min(end, first + chunk);
-        for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
-          const int rows = static_cast<int>(std::min(kBlockM, M - m0));
-          if (rows != configured) {
-            configure(std::min(16, rows), std::max(0, rows - 16));
-            configured = rows;
-          }
-          for (int64_t b = first; b < last; ++b) {
-            const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
-            if (cols > 0) {
-              block(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
-              store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
-            }
-          }
-        }
-      }
-      if (configured) release();
-    });
+  auto y = at::empty({x2.size(0), out_features}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (x2.size(0) > 0) {
+    if (float_out)
+      multiply<float>(x2, packed, out_features, y);
+    else
+      multiply<c10::BFloat16>(x2, packed, out_features, y);
   }
   auto shape = x.sizes().vec();
   shape.back() = out_features;
@@ -171,6 +189,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
 #else
   TORCH_CHECK(false, "amx_linear runs in the avx512 build on Linux only");
 #endif
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return product(x, packed, out_features, false);
+}
+
+at::Tensor amx_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return product(x, packed, out_features, true);
 }
 
 at::Tensor amx_pack(const at::Tensor& weight) {
@@ -188,10 +214,12 @@ at::Tensor amx_pack(const at::Tensor& weight) {
 
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("amx_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("amx_linear_f32(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("amx_pack(Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
   m.impl("amx_linear", &amx_linear);
+  m.impl("amx_linear_f32", &amx_linear_f32);
   m.impl("amx_pack", &amx_pack);
 }

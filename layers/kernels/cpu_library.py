@@ -253,6 +253,10 @@ def _amx_linear_shape(x, packed, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _amx_linear_f32_shape(x, packed, out_features):
+    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
+
+
 def _amx_pack_shape(weight):
     return weight.new_empty((-(-weight.shape[0] // 32), weight.shape[1] * 32), dtype=torch.bfloat16)
 
@@ -263,5 +267,6 @@ SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_atte
           "rms_norm": _rms_norm_shape, "silu_and_mul": _silu_and_mul_shape, "argmax_rows": _argmax_rows_shape,
           "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape, "dense_linear": _dense_linear_shape,
           "pack_panels": _pack_panels_shape, "panel_rows": _panel_rows_shape,
-          "rotary": _rotary_shape, "amx_linear": _amx_linear_shape, "amx_pack": _amx_pack_shape}
+          "rotary": _rotary_shape, "amx_linear": _amx_linear_shape,
+          "amx_linear_f32": _amx_linear_f32_shape, "amx_pack": _amx_pack_shape}
 """Each op's shape function, for torch.compile."""

@@ -14,6 +14,7 @@ from meshserve.parallel.topology import Topology
 from support.cpu import needs_vnni
 from support.dist import run_ranks
 from support.reference import meshserve_logits
+from support.server import EXACT
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(300, 341)), [5, 6, 7]]
 
@@ -53,7 +54,8 @@ def test_tp_w8a8_logits_as_close_to_unquantized_as_single_rank(tiny_checkpoints)
 
 def generate_cli(path, tp, prompts, max_tokens=12):
     cmd = [sys.executable, "-m", "meshserve.launcher.cli", "generate", "--json", "--max-tokens", str(max_tokens),
-           "--set", f"model.path={path}", "--set", f"parallel.tensor={tp}", "--set", "model.max_model_len=256",
+           "--set", EXACT, "--set", f"model.path={path}", "--set", f"parallel.tensor={tp}",
+           "--set", "model.max_model_len=256",
            "--set", "cache.memory=16MiB"]
     for p in prompts:
         cmd += ["--prompt", p]

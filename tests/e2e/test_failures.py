@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from meshserve.client import AsyncClient, Client, MeshserveError
-from support.server import MeshserveProcess, alive, free_port, process_env
+from support.server import EXACT, MeshserveProcess, alive, free_port, process_env
 
 FAILURE_TIMEOUT = 4.0
 PROMPT = list(range(100, 120))
@@ -33,7 +33,7 @@ PROMPT = list(range(100, 120))
 
 def _serve(tmp_path: Path, checkpoint: Path, name: str, *sets: str) -> tuple[MeshserveProcess, str]:
     address = f"tcp://127.0.0.1:{free_port()}"
-    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={checkpoint}",
+    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", EXACT, "--set", f"model.path={checkpoint}",
                                "--set", f"server.zmq={address}", "--set", "server.http=127.0.0.1:0",
                                "--set", "model.max_model_len=512", "--set", "cache.memory=16MiB",
                                *[a for s in sets for a in ("--set", s)]], tmp_path, name=name)

@@ -36,7 +36,7 @@ from meshserve.comm.messages import (ErrorReply, GenerateRequest, RankStats, Rea
 from meshserve.engine.serving.zmq_frontend import MAX_REQUEST_BYTES
 from meshserve.launcher.cli import main
 from support.checkpoints import make_checkpoint
-from support.server import MeshserveProcess, free_port, http_server
+from support.server import EXACT, MeshserveProcess, free_port, http_server
 
 SECRET = "fuzz-secret-0123456789"
 API_KEY = "fuzz-api-key"
@@ -433,7 +433,8 @@ def test_forged_step_results_change_nothing_at_pp2_without_a_secret(tmp_path, to
     zmq_address = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("MESHSERVE_SECRET", "MESHSERVE_API_KEY")}
     proc = MeshserveProcess(
-        ["-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={ckpt}", "--set", "parallel.pipeline=2",
+        ["-m", "meshserve.launcher.cli", "serve", "--set", EXACT, "--set", f"model.path={ckpt}",
+         "--set", "parallel.pipeline=2",
          "--set", f"server.zmq={zmq_address}", "--set", "server.http=null",
          "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=16MiB"],
         tmp_path, env=dict(env, OMP_NUM_THREADS="1"))

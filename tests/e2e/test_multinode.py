@@ -72,7 +72,7 @@ with Client(sys.argv[1], timeout=120, secret=sys.argv[4] or None) as client:
 def write_config(tmp_path: Path, model: Path, name: str, tensor: int, pipeline: int = 1, zmq: str | None = None,
                  cluster: dict | None = None, secret: str | None = None) -> Path:
     data = {
-        "model": {"path": str(model), "max_model_len": 256},
+        "model": {"path": str(model), "max_model_len": 256, "dtype": "float32"},
         "parallel": {"tensor": tensor, "pipeline": pipeline},
         "device": {"threads": 1},
         "cache": {"memory": "16MiB"},

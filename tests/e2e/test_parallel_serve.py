@@ -17,7 +17,7 @@ import pytest
 from meshserve.client import Client, Completion
 from support.schemas import CHOICES, PROMPTS, REGEX, SCHEMAS
 from support.reference import hf_greedy
-from support.server import MeshserveProcess, free_port
+from support.server import EXACT, MeshserveProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 QUESTIONS = ["What is the capital of France?", "Name a primary color."]
@@ -116,7 +116,7 @@ def check_structured_outputs(client: Client, tok, free_prompt: list[int], free_w
 
 def _offline_tokens(path, prompts):
     out = subprocess.run([sys.executable, "-m", "meshserve.launcher.cli", "generate", "--json", "--max-tokens", "10",
-                          "--set", f"model.path={path}", "--set", "model.max_model_len=256", "--set", "cache.memory=16MiB",
+                          "--set", EXACT, "--set", f"model.path={path}", "--set", "model.max_model_len=256", "--set", "cache.memory=16MiB",
                           *[a for p in prompts for a in ("--prompt", p)]], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     import json
@@ -131,7 +131,8 @@ def test_external_torchrun_worker(tmp_path, tiny_checkpoints):
     want = _offline_tokens(path, prompts)
     address = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "meshserve.launcher.cli", "worker", "--set", f"model.path={path}", "--set", "parallel.tensor=2",
+           "-m", "meshserve.launcher.cli", "worker", "--set", EXACT, "--set", f"model.path={path}",
+           "--set", "parallel.tensor=2",
            "--set", f"server.zmq={address}", "--set", "model.max_model_len=256", "--set", "cache.memory=16MiB"]
     server = MeshserveProcess(cmd, tmp_path, raw=True)
     try:
@@ -168,7 +169,7 @@ def test_smollm2_cp2_long_prompt_matches_cp1(tmp_path, smollm2):
     outputs = []
     for context in (1, 2):
         address = f"tcp://127.0.0.1:{free_port()}"
-        server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq={address}",
+        server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", EXACT, "--set", f"server.zmq={address}",
                                    "--set", f"parallel.context={context}", "--set", "model.max_model_len=4096",
                                    "--set", "scheduler.max_batched_tokens=4096", "--set", "cache.memory=512MiB"],
                                   tmp_path, name=f"cp{context}")

@@ -31,7 +31,7 @@ from meshserve.client import AsyncClient, Client, MeshserveError
 from meshserve.comm.messages import (AbortRequest, Delta, ErrorReply, GenerateRequest, SamplingParams, encoder,
                                      server_decoder)
 from support.checkpoints import smollm2_tokenizer
-from support.server import free_port
+from support.server import EXACT, free_port
 
 MAX_MODEL_LEN = 1024
 VOCAB_SIZE = 49152
@@ -105,7 +105,7 @@ def launched(tmp_path_factory):
     err = logs / "server.stderr"
     with open(err, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq={address}",
+            [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", EXACT, "--set", f"server.zmq={address}",
              "--set", f"model.max_model_len={MAX_MODEL_LEN}", "--set", "cache.memory=128MiB"],
             stdout=subprocess.PIPE, stderr=f, text=True, bufsize=1)
     server = ServerProcess(proc, address, err)
@@ -122,7 +122,7 @@ def launched(tmp_path_factory):
     with open(cli_err, "wb") as f:
         cli = subprocess.Popen(
             [*_meshserve_command(), "generate", "--json", *args, "--max-tokens", "8", "--temperature", "0",
-             "--set", "model.max_model_len=512", "--set", "cache.memory=64MiB"],
+             "--set", EXACT, "--set", "model.max_model_len=512", "--set", "cache.memory=64MiB"],
             stdout=subprocess.PIPE, stderr=f, text=True)
     try:
         yield Launched(server, cli, cli_err)

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from support.server import MeshserveProcess, free_port, http_url
+from support.server import EXACT, MeshserveProcess, free_port, http_url
 
 TIMEOUT = 120
 
@@ -70,7 +70,7 @@ def interrupt_everyone(server: MeshserveProcess) -> None:
 
 
 def serve(tmp_path, name: str, *args: str) -> tuple[MeshserveProcess, str]:
-    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", *args, "--host", "127.0.0.1", "--port", "0",
+    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", EXACT, *args, "--host", "127.0.0.1", "--port", "0",
                                "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}"], tmp_path, name=name,
                               env=os.environ | {"OMP_NUM_THREADS": "1"})
     return server, http_url(server.wait_ready(240))

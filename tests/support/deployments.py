@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 
 from meshserve.client import Client
-from support.server import MeshserveProcess, free_port, http_url, process_env
+from support.server import EXACT, MeshserveProcess, free_port, http_url, process_env
 
 
 def serve(tmp_path: Path, name: str, *sets: str) -> tuple[MeshserveProcess, str, str]:
     address = f"tcp://127.0.0.1:{free_port()}"
-    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", f"server.zmq={address}",
+    server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", "--set", EXACT, "--set", f"server.zmq={address}",
                                "--set", "server.http=127.0.0.1:0", "--set", "model.max_model_len=512",
                                *[a for s in sets for a in ("--set", s)]], tmp_path, name=name)
     line = server.wait_ready(300)

@@ -10,6 +10,7 @@ from meshserve.configs.validate import check_config
 from meshserve.engine.offline import generate
 from meshserve.launcher.env import RankEnv
 from meshserve.launcher.rank import run_in_world
+from support.server import EXACT
 
 
 class CollectMode:
@@ -42,8 +43,9 @@ def as_results(completions) -> list[dict]:
 
 
 def run_engine(groups, overrides: list[str], prompts: list[list[int]], params: list[SamplingParams], then=None):
-    """On every rank of the harness's world; returns (results, stats) on the driver, None elsewhere."""
-    config = load_config(None, overrides)
+    """On every rank of the harness's world, in float32 unless `overrides` say otherwise; returns
+    (results, stats) on the driver, None elsewhere."""
+    config = load_config(None, [EXACT, *overrides])
     info = check_config(config)
     mode = CollectMode(prompts, params, then)
     env = RankEnv(global_rank=groups.global_rank, world_size=groups.world_size, local_world_size=groups.world_size)

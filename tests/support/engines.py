@@ -9,10 +9,12 @@ from meshserve.configs import load_config
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
 from meshserve.engine.build import build_single_rank_engine
+from support.server import EXACT
 
 
 def make_engine(path, *overrides):
-    """The engine for `path` with model.max_model_len=256 and `overrides` (KEY=VALUE). With
+    """The engine for `path` with model.max_model_len=256, float32 (EXACT) and `overrides`
+    (KEY=VALUE, which may override both). With
     device.compile=true, torch.compile's caches are reset first: each engine's model is a
     new module whose graphs take a new cache entry, and past dynamo's per-function limit
     (8) steps would run eagerly without a word, however many tests built engines before."""
@@ -20,6 +22,6 @@ def make_engine(path, *overrides):
         torch._dynamo.reset()
     if "device.compile=true" in overrides and not any(o.startswith("device.compile_wait=") for o in overrides):
         overrides = (*overrides, "device.compile_wait=true")  # the tests check the graphs from the first step
-    config = load_config(None, [f"model.path={path}", "model.max_model_len=256", *overrides])
+    config = load_config(None, [EXACT, f"model.path={path}", "model.max_model_len=256", *overrides])
     info = check_config(config)
     return build_single_rank_engine(config, info, plan_memory(config, info), threads=None)

@@ -16,6 +16,12 @@ from typing import Iterator
 from meshserve.launcher.network import free_port  # noqa: F401 (the tests import it from here)
 
 
+EXACT = "model.dtype=float32"
+"""The dtype the tests that compare with transformers' float32 (or a sharded run with an
+unsharded one, token for token) pin: `model.dtype=auto` takes bfloat16 on CPUs with bf16 dot
+products, whose rounding may flip a near-tie of greedy argmax."""
+
+
 def http_url(ready_line: str, zmq_address: str | None = None) -> str:
     """The HTTP address a `ready` line announces (checking it also names `zmq_address`)."""
     m = re.search(r"http=(http://127\.0\.0\.1:\d+)", ready_line)
@@ -108,11 +114,11 @@ def http_server(log_dir: Path, *settings: str, zmq: str | None = None, args: tup
                 env: dict[str, str] | None = None, ready_timeout: float = 240.0
                 ) -> Iterator[tuple[MeshserveProcess, str]]:
     """`meshserve serve` with HTTP on a free port, ZMQ on `zmq` (None: a free port), each of
-    `settings` passed as `--set KEY=VALUE` and `args` after them, in `env` (None: this
+    `settings` passed as `--set KEY=VALUE` (after EXACT's, which they may override) and `args` after them, in `env` (None: this
     process's); yields the process and the HTTP URL its ready line announces, and kills it
     on leaving."""
     zmq = zmq or f"tcp://127.0.0.1:{free_port()}"
-    sets = [a for s in ("server.http=127.0.0.1:0", f"server.zmq={zmq}", *settings) for a in ("--set", s)]
+    sets = [a for s in (EXACT, "server.http=127.0.0.1:0", f"server.zmq={zmq}", *settings) for a in ("--set", s)]
     proc = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", *sets, *args], log_dir, env=env)
     try:
         yield proc, http_url(proc.wait_ready(ready_timeout), zmq)

@@ -27,11 +27,15 @@ SHAPES = [(1, 32, 32), (1, 96, 64), (5, 50, 64), (16, 64, 576), (17, 13, 96), (3
 not a multiple of 32 (the last block's padding), the inputs of SmolLM2's products, no rows."""
 
 
-def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """Within the bf16 rounding of the output: the sums are float32 either way."""
+def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Within the bf16 rounding of the output (float32 out: the float32 sums, up to their
+    order of summation)."""
     want = F.linear(x.float(), w.float())
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,7 @@ def test_the_amx_product_matches_torch(avx512):
         packed = avx512.ops.amx_pack(w)
         assert packed.shape == (-(-n // 32), 32 * k) and packed.dtype == torch.bfloat16
         _close(avx512.ops.amx_linear(x, packed, n), x, w)
+        _close(avx512.ops.amx_linear_f32(x, packed, n), x, w, torch.float32)
     w = torch.randn(40, 64, generator=g).bfloat16()
     x3 = torch.randn(2, 3, 64, generator=g).bfloat16()
     _close(avx512.ops.amx_linear(x3, avx512.ops.amx_pack(w), 40), x3, w)
@@ -80,6 +85,8 @@ def test_the_other_builds_refuse_the_amx_product(isa):
     packed = build.ops.amx_pack(torch.randn(40, 64).bfloat16())
     with pytest.raises(RuntimeError, match="avx512 build"):
         build.ops.amx_linear(torch.randn(2, 64).bfloat16(), packed, 40)
+    with pytest.raises(RuntimeError, match="avx512 build"):
+        build.ops.amx_linear_f32(torch.randn(2, 64).bfloat16(), packed, 40)
 
 
 AMX_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "avx512_bf16",
@@ -92,8 +99,10 @@ def test_the_plan_takes_the_amx_product_for_bf16_on_amx_cpus(monkeypatch):
     avx512, avx2 = CpuLibrary("avx512", None), CpuLibrary("avx2", None)
     monkeypatch.setattr(matmul_plan, "cpu_features", lambda: CpuFeatures(AMX_FLAGS))
     plan = matmul_plan.plan_matmuls("cpu", torch.bfloat16, library=avx512)
-    assert isinstance(plan.linear, matmul_plan.AmxTiles) and plan.describe() == "C++ AMX tiles on bfloat16 weights"
-    assert isinstance(plan.head, matmul_plan.AmxTiles) and isinstance(plan.router, matmul_plan.AmxTiles)
+    assert isinstance(plan.linear, matmul_plan.AmxTiles) and isinstance(plan.router, matmul_plan.AmxTiles)
+    assert plan.head == matmul_plan.AmxTiles(avx512, float_out=True)  # float32 logits
+    assert plan.describe() == ("C++ AMX tiles on bfloat16 weights, the head C++ AMX tiles on bfloat16 weights, "
+                               "float32 out")
     assert isinstance(matmul_plan.plan_matmuls("cpu", torch.float32, library=avx512).linear, matmul_plan.DensePanels)
     assert not isinstance(matmul_plan.plan_matmuls("cpu", torch.bfloat16, library=avx2).linear, matmul_plan.AmxTiles)
     assert not isinstance(matmul_plan.plan_matmuls("cpu", torch.bfloat16, "int8", avx512).linear,
@@ -126,7 +135,8 @@ def test_a_bf16_linear_on_amx_multiplies_by_tiles(avx512):
 def test_a_bf16_model_on_amx_is_as_close_to_float32_as_transformers_bf16(tiny_checkpoints):
     """The whole model's prompt logits with every product on AMX tiles (chunked too, reading
     the cache) against transformers' float32 ones: no further than transformers' own bf16
-    run is; and a compiled decode step (the op's shape function) gives eager's tokens."""
+    run is; and a compiled decode step (the op's shape function) gives eager's tokens up to
+    a near-tie (the float32 logits tell apart what bf16 ones rounded together)."""
     from meshserve.comm.messages import SamplingParams
     from meshserve.engine.offline import generate
     from support.engines import make_engine
@@ -141,9 +151,14 @@ def test_a_bf16_model_on_amx_is_as_close_to_float32_as_transformers_bf16(tiny_ch
         for got, ref, want in zip(ours, hf16, exact):
             err, hf_err = ((got.float() - want).norm() / want.norm()).item(), ((ref - want).norm() / want.norm()).item()
             assert err < 2 * hf_err + 1e-3, (err, hf_err)
-    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2) for _ in prompts]
     eager = make_engine(path, "model.dtype=bfloat16")
     assert "C++ AMX tiles" in eager.executor.runner.model.matmuls.describe()
+    head = eager.executor.runner.model.lm_head
+    assert head.packed.float_out and head(torch.randn(3, head.weight.shape[1]).bfloat16()).dtype == torch.float32
     compiled = make_engine(path, "model.dtype=bfloat16", "device.compile=true")
-    want = [c.token_ids for c in generate(eager, prompts, params)]
-    assert [c.token_ids for c in generate(compiled, prompts, params)] == want
+    for want, got in zip(generate(eager, prompts, params), generate(compiled, prompts, params)):
+        same = next((i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b), None)
+        if same is not None:  # the graph's fused bf16 ops round apart from eager's: only a near-tie may flip
+            (_, first), (_, second) = want.logprobs[same].top
+            assert first - second < 0.05, (same, want.logprobs[same].top, got.logprobs[same].top)

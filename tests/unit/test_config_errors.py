@@ -11,6 +11,7 @@ import pytest
 
 from meshserve.configs import Config, ConfigError, load_config
 from meshserve.configs.config_file import BUILTIN_SOURCE, parse_override
+from meshserve.configs.cpu_features import CpuFeatures, cpu_features
 from meshserve.configs.memory import plan_memory
 from meshserve.configs.validate import check_config
 from meshserve.launcher.cli import main
@@ -38,7 +39,7 @@ def check_error(config: Config, source: str) -> str:
 
 def tiny_config(tiny_checkpoints, tmp_path: Path, body: str, name: str = "tiny.yaml") -> tuple[Config, str]:
     """A YAML file naming the tiny Llama checkpoint (4 heads, 2 KV heads, 3 layers, 512 positions)."""
-    text = f"model:\n  path: {tiny_checkpoints['llama']}\n" + body
+    text = f"model:\n  path: {tiny_checkpoints['llama']}\n  dtype: float32\n" + body
     p = write(tmp_path, name, text)
     return load_config(p), str(p)
 
@@ -452,7 +453,26 @@ def test_float16_from_file_on_cpu_and_fine_on_cuda(tiny_checkpoints, tmp_path):
     check_config(cuda, str(p))  # no torch needed: validation only
     assert cuda.torch_dtype_name == "float16"
     assert load_config(p, ["model.dtype=auto", "device.type=cuda"]).torch_dtype_name == "bfloat16"
-    assert load_config(p, ["model.dtype=auto"]).torch_dtype_name == "float32"
+
+
+def test_auto_dtype_is_bfloat16_where_the_cpu_has_bf16_dot_products(tiny_checkpoints):
+    """`auto` takes bf16 with AMX or AVX512-BF16, float32 elsewhere (and where the flags are
+    unknown), and says why; a dtype given or a quantization decides before the CPU does."""
+    auto = load_config(None, [f"model.path={tiny_checkpoints['llama']}"])
+    amx = CpuFeatures(frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}))
+    zen4 = CpuFeatures(frozenset({"avx512f", "avx512_bf16"}))
+    avx2 = CpuFeatures(frozenset({"avx2", "fma", "f16c"}))
+    assert auto.dtype_on(amx) == ("bfloat16", "model.dtype=auto on a CPU with bf16 dot products (AMX); "
+                                              "model.dtype=float32 computes in float32")
+    assert auto.dtype_on(zen4)[0] == "bfloat16" and "AVX512-BF16" in auto.dtype_on(zen4)[1]
+    assert auto.dtype_on(avx2) == ("float32", f"model.dtype=auto on a CPU without bf16 dot products "
+                                              f"({avx2.describe()})")
+    assert auto.dtype_on(CpuFeatures(frozenset(), known=False))[0] == "float32"
+    pinned = load_config(None, [f"model.path={tiny_checkpoints['llama']}", "model.dtype=float32"])
+    assert pinned.dtype_on(amx) == ("float32", "as model.dtype says")
+    quantized = load_config(None, [f"model.path={tiny_checkpoints['llama']}", "model.quantization=int8"])
+    assert quantized.dtype_on(avx2)[0] == "bfloat16"
+    assert auto.torch_dtype_name == auto.dtype_on(cpu_features())[0]
 
 
 # ---------------------------------------------------------------- the CLI
@@ -470,10 +490,12 @@ def test_check_prints_resolved_config_and_memory_plan(smollm2, capsys):
     # SmolLM2-135M: 30 layers, 9 heads / 3 KV heads of dim 64, vocab 49152, tied embeddings.
     assert any(l.startswith("# model: llama (gguf) 30 layers, hidden 576, 9 heads / 3 KV heads") for l in lines)
     params = 49152 * 576 + 30 * (576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) + 576
-    weights_mib = params * 4 / (1 << 20)
-    kv_per_token = 2 * 30 * 3 * 64 * 4
+    dtype = load_config(None).torch_dtype_name  # the default's, as this CPU resolves `auto`
+    size = {"float32": 4, "bfloat16": 2}[dtype]
+    weights_mib = params * size / (1 << 20)
+    kv_per_token = 2 * 30 * 3 * 64 * size
     blocks = (1 << 30) // (kv_per_token * 16)
-    assert "# memory plan per rank (float32, world size 1):" in lines
+    assert f"# memory plan per rank ({dtype}, world size 1):" in lines
     assert f"#   weights:           {weights_mib:.1f} MiB" in lines
     assert f"#   KV per token:      {kv_per_token} bytes" in lines
     assert f"#   KV cache:          {blocks} blocks x 16 tokens = {blocks * 16} tokens, " \
@@ -484,9 +506,10 @@ def test_check_prints_resolved_config_and_memory_plan(smollm2, capsys):
 def test_check_memory_plan_follows_topology(smollm2, capsys):
     assert main(["check", "--set", "parallel.tensor=3", "--set", "cache.block_size=32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    kv_per_token = 2 * 30 * 1 * 64 * 4  # 3 KV heads over tp=3: one per rank
+    dtype = load_config(None).torch_dtype_name
+    kv_per_token = 2 * 30 * 1 * 64 * {"float32": 4, "bfloat16": 2}[dtype]  # 3 KV heads over tp=3: one per rank
     blocks = (1 << 30) // (kv_per_token * 32)
-    assert "# memory plan per rank (float32, world size 3):" in lines
+    assert f"# memory plan per rank ({dtype}, world size 3):" in lines
     assert f"#   KV per token:      {kv_per_token} bytes" in lines
     assert any(l.startswith(f"#   KV cache:          {blocks} blocks x 32 tokens = {blocks * 32} tokens") for l in lines)
 
@@ -521,7 +544,8 @@ def test_check_returns_2_when_kv_cache_too_small(tiny_checkpoints, tmp_path, cap
 
 
 def test_check_tiny_file_succeeds(tiny_checkpoints, tmp_path, capsys):
-    p = write(tmp_path, "ok.yaml", f"model:\n  path: {tiny_checkpoints['llama']}\ncache:\n  num_blocks: 40\n")
+    p = write(tmp_path, "ok.yaml", f"model:\n  path: {tiny_checkpoints['llama']}\n  dtype: float32\ncache:\n"
+                                   f"  num_blocks: 40\n")
     assert main(["check", str(p)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "#   KV per token:      768 bytes" in lines

@@ -131,7 +131,8 @@ def test_memory_plan_counts_a_ranks_share_of_the_experts(tiny_checkpoints):
     info = read_model_info(str(path))
     plans = {}
     for ep in (1, 2):
-        config = load_config(None, [f"model.path={path}", "model.max_model_len=256", f"parallel.expert={ep}"])
+        config = load_config(None, [f"model.path={path}", "model.dtype=float32", "model.max_model_len=256",
+                                    f"parallel.expert={ep}"])
         plans[ep] = plan_memory(config, check_config(config), "moe.yaml").weight_bytes
     m = info.moe
     experts_bytes = len(m.sparse_layers) * m.num_experts * m.expert_parameters(info.hidden_size) * 4
