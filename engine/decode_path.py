@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from meshserve.engine.compile_throttle import CompileThrottle
 from meshserve.engine.compiled_decode import CompiledDecode
 from meshserve.engine.decode_graphs import DecodeGraphs
 from meshserve.layers.fused_decode import FusedDecodeLayers, fused_decode_layers
@@ -42,17 +43,21 @@ class DecodePath:
         """`decode_graphs`: the largest batch whose decode steps replay captured graphs (0:
         none). `compile_decode`: decode steps through torch.compile, compiled here, or with
         `compile_in_background` in a thread of its own while decode steps run eagerly, which
-        switch to the graphs once they are ready. Both write block `num_blocks` of the cache
+        switch to the graphs once they are ready; that thread gives way to the steps
+        (engine/compile_throttle.py). Both write block `num_blocks` of the cache
         (the padding rows' or the warm-up's scratch), which the caller allocated."""
         fused = fused_decode_layers(model) if device.type == "cpu" else None
         self.eager = EagerForward(model, fused)
         self.compiled: CompiledDecode | None = None
         """The compiled decode step once it is ready (decode steps run eagerly until then)."""
         self.compile_thread: threading.Thread | None = None
+        self.throttle: CompileThrottle | None = None
+        """While the background compile runs: each step tells it that steps are being served."""
         if compile_decode:
             compiled = CompiledDecode(model, self.eager)
             warm_up = (model.backend, kv_caches, block_size, num_blocks, device)
             if compile_in_background:
+                self.throttle = CompileThrottle()
                 self.compile_thread = threading.Thread(target=self._compile, args=(compiled, warm_up),
                                                        name="meshserve-compile", daemon=True)
                 self.compile_thread.start()
@@ -68,11 +73,16 @@ class DecodePath:
     def _compile(self, compiled: CompiledDecode, warm_up: tuple) -> None:
         """The background compile: decode steps switch to the graphs once they are ready; a
         failure leaves them eager (and says why)."""
+        throttle = self.throttle
         try:
-            compiled.warm_up(*warm_up)
+            with throttle.applied():
+                compiled.warm_up(*warm_up)
         except Exception:  # noqa: BLE001 - any compiler failure: serving goes on eagerly
             log.exception("compiling the decode step failed; decode steps stay eager")
             return
+        finally:
+            self.throttle = None
+        log.info("the background compile paused %d times for served steps", throttle.pauses)
         self.compiled = compiled
 
     def replays(self, query_lens: list[int]) -> bool:
@@ -84,6 +94,9 @@ class DecodePath:
         """The step's (hidden, residual): from its graph (`graph_step`, the host lists
         DecodeGraphs.run takes; `meta` None then), compiled, or eager. `after_layer(i)`: the
         KV-transfer hook, called after each layer (the step then runs eagerly)."""
+        throttle = self.throttle
+        if throttle is not None:
+            throttle.note_step()
         if graph_step is not None:  # (no KV transfer with graphs: engine.build.uses_decode_graphs)
             return self.graphs.run(*graph_step), None
         compiled = self.compiled
