@@ -3,8 +3,8 @@
 torch.compile runs in a thread of the serving process (engine/decode_path.py), and its
 tracing and code generation are Python: they hold the GIL. Every torch op of an eager step
 releases the GIL and must take it back, and a thread that wants it back waits for the
-holder's switch interval (5 ms by default): with the compile running, an eager decode step
-that takes the GIL back a few hundred times is stretched by seconds. The compile's C++
+holder's switch interval (sys.getswitchinterval()): with the compile running, an eager decode
+step that takes the GIL back a few hundred times is stretched many times over. The compile's C++
 compiler processes and OpenMP threads compete for the same cores too.
 
 So the compile thread runs only while serving is idle: a profile hook on its own Python calls

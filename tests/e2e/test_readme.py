@@ -177,12 +177,16 @@ def test_the_commands_check_and_run(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """`meshserve serve`, verbatim: the default model on the default addresses."""
+    """`meshserve serve`, verbatim: the default model on the default addresses, in the dtype
+    this CPU's default resolves to, which its start-up line names with the reason."""
     root = tmp_path_factory.mktemp("readme")
     server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve"], root)
     try:
         line = server.wait_ready(TIMEOUT)
         assert "zmq=tcp://127.0.0.1:5555 http=http://127.0.0.1:8000" in line, line
+        dtype, why = load_config(None).dtype_choice
+        log = server.tail(1 << 20)
+        assert f"30 layers of 30 (stage 1/1, tp rank 0/1), {dtype} ({why})" in log, log[-3000:]
         yield server
         assert server.stop() == 0, server.tail()
     finally:
