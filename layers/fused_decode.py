@@ -6,7 +6,8 @@ large share of a small model's step at batch 1).
 It takes the layers where each op is one of meshserve's C++ kernels: the Llama attention and
 MLP as they are (no QKV bias, no per-head norm, no experts), every product meshserve's own
 on a weight in its panels (layers/matmul.py DenseCpuMatmul: the avx2 and avx512 builds, float32
-or bf16, no quantization), one tensor-parallel rank (no all-reduce between the layers), and a
+or bf16, no quantization) or all its AMX product on bf16 weights (AmxCpuMatmul, where the CPU
+has AMX-BF16), one tensor-parallel rank (no all-reduce between the layers), and a
 cache in the activations' dtype (an int8 cache's rows are quantized in the Python path).
 """
 
@@ -17,7 +18,7 @@ import torch
 from meshserve.layers.cpu_backend import CpuBackend
 from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.llama import LlamaAttention, LlamaMLP
-from meshserve.layers.matmul import DenseCpuMatmul
+from meshserve.layers.matmul import AmxCpuMatmul, DenseCpuMatmul
 from meshserve.layers.norm import RMSNorm
 
 
@@ -25,6 +26,7 @@ class FusedDecodeLayers:
     """Runs `layers` (one stage's LlamaDecoderLayers) over a decode-only step."""
 
     def __init__(self, layers, num_heads: int, num_kv_heads: int, eps: float, scale: float, library: CpuLibrary):
+        self.amx = isinstance(layers[0].self_attn.qkv_proj.packed, AmxCpuMatmul)
         self.weights = [w for layer in layers for w in _layer_weights(layer)]
         self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
         self.op = library.ops.decode_layers
@@ -40,22 +42,41 @@ class FusedDecodeLayers:
         return self.op(hidden.contiguous(), residual, self.weights, [k for k, _ in kv_caches],
                        [v for _, v in kv_caches], cos.contiguous(), sin.contiguous(), meta.slot_mapping,
                        meta.decode_block_tables, meta.decode_lens, self.eps, self.scale, self.num_heads,
-                       self.num_kv_heads)
+                       self.num_kv_heads, self.amx)
 
 
 def _layer_weights(layer) -> list[torch.Tensor]:
     attn, mlp = layer.self_attn, layer.mlp
-    return [layer.input_layernorm.weight, attn.qkv_proj.packed.weight, attn.o_proj.packed.weight,
-            layer.post_attention_layernorm.weight, mlp.gate_up_proj.packed.weight, mlp.down_proj.packed.weight]
+    return [layer.input_layernorm.weight, _product_weight(attn.qkv_proj), _product_weight(attn.o_proj),
+            layer.post_attention_layernorm.weight, _product_weight(mlp.gate_up_proj), _product_weight(mlp.down_proj)]
 
 
-def _fusable(layer) -> bool:
+def _product_weight(linear) -> torch.Tensor:
+    """The weight as the fused call's product takes it: DenseCpuMatmul's panels, AMX's tiles."""
+    return linear.packed.packed if isinstance(linear.packed, AmxCpuMatmul) else linear.packed.weight
+
+
+def _products(layer) -> set[str | None]:
+    """The kinds of product (_product_kind) of a layer's linears; {None} where the layer
+    has an op the fused call does not run."""
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-        return False
+        return {None}
+    if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+        return {None}
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return (type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-            and all(isinstance(m.packed, DenseCpuMatmul) and m.bias is None and m.tp.size == 1 for m in linears))
+    if any(m.bias is not None or m.tp.size != 1 for m in linears):
+        return {None}
+    return {_product_kind(m.packed) for m in linears}
+
+
+def _product_kind(product) -> str | None:
+    """Which of the fused call's products `product` is: "panels", "amx", or None (neither)."""
+    if isinstance(product, DenseCpuMatmul):
+        return "panels"
+    if isinstance(product, AmxCpuMatmul) and not product.float_out:
+        return "amx"
+    return None
 
 
 def fused_decode_layers(model) -> FusedDecodeLayers | None:
@@ -64,7 +85,8 @@ def fused_decode_layers(model) -> FusedDecodeLayers | None:
     layers = list(model.model.layers)
     if not layers or type(model.backend) is not CpuBackend:
         return None
-    if not all(_fusable(layer) for layer in layers):
+    kinds = set().union(*(_products(layer) for layer in layers))
+    if len(kinds) != 1 or None in kinds:  # the op takes one kind of product, of its own
         return None
     eps = {norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(eps) != 1:  # the op takes one

@@ -1,5 +1,5 @@
 // decode_layers(hidden, residual, weights, k_caches, v_caches, cos, sin, slots, block_tables,
-// seq_lens, eps, scale, heads, kv_heads) -> (hidden, residual): a run of Llama decoder layers
+// seq_lens, eps, scale, heads, kv_heads, amx) -> (hidden, residual): a run of Llama decoder layers
 // (RMSNorm, fused QKV, rotary, paged attention, o_proj, RMSNorm, fused gate/up, SiLU-and-mul,
 // down) over a decode-only step of one rank, in one call.
 //
@@ -13,7 +13,9 @@
 //
 // `weights`: per layer, in order, the input norm's weight, the QKV weight [(heads + 2 *
 // kv_heads) * head_dim, hidden], the o weight, the post-attention norm's weight, the gate/up
-// weight [2 * intermediate, hidden] and the down weight, all as dense_linear takes them.
+// weight [2 * intermediate, hidden] and the down weight, all as dense_linear takes them, or
+// with `amx` all as amx_linear takes them (amx_pack's tile order; the outputs of each follow
+// from the heads, the norm's width and the down weight's inputs).
 // `residual` none: the first layer's input is the embedding (the residual is the input).
 
 #include <ATen/core/Tensor.h>
@@ -52,8 +54,14 @@ void store_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* 
 Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::TensorList weights,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
-                   double scale, int64_t heads, int64_t kv_heads) {
+                   double scale, int64_t heads, int64_t kv_heads, bool amx) {
   static const auto dense = library_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("dense_linear");
+  static const auto amx_linear = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear");
+  // x times a weight of `outputs` outputs
+  const auto product = [&](const at::Tensor& x, const at::Tensor& weight, int64_t outputs) {
+    return amx ? amx_linear.call(x, weight, outputs) : dense.call(x, weight);
+  };
+  constexpr int64_t kAmxBlock = 32;  // outputs an amx_pack block holds
   static const auto norm =
       library_op<Pair(const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&)>("rms_norm");
   static const auto rotary =
@@ -79,8 +87,9 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
     const at::Tensor* w = weights.data() + 6 * l;
     const at::Tensor& k_cache = k_caches[l];
     const at::Tensor& v_cache = v_caches[l];
-    const int64_t dim = k_cache.size(3), slots_total = k_cache.size(0) * k_cache.size(1);
-    TORCH_CHECK(w[1].size(0) == (heads + 2 * kv_heads) * dim && k_cache.size(2) == kv_heads &&
+    const int64_t dim = k_cache.size(3), slots_total = k_cache.size(0) * k_cache.size(1), qkv_out = (heads + 2 * kv_heads) * dim;
+    const int64_t width = w[0].size(0), intermediate = amx ? w[5].size(1) / kAmxBlock : 0;
+    TORCH_CHECK((amx ? w[1].size(0) * kAmxBlock >= qkv_out : w[1].size(0) == qkv_out) && k_cache.size(2) == kv_heads &&
                     k_cache.scalar_type() == hidden.scalar_type() && k_cache.is_contiguous() &&
                     v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
                     v_cache.scalar_type() == hidden.scalar_type(),
@@ -96,7 +105,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
       res = x;
       x = std::get<0>(norm.call(x, w[0], eps, std::nullopt));
     }
-    const at::Tensor qkv = dense.call(x, w[1]);
+    const at::Tensor qkv = product(x, w[1], qkv_out);
     at::Tensor q = qkv.narrow(1, 0, heads * dim).view({tokens, heads, dim});
     at::Tensor k = qkv.narrow(1, heads * dim, kv_heads * dim).view({tokens, kv_heads, dim});
     const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({tokens, kv_heads, dim});
@@ -104,9 +113,9 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
     store_rows(k, k_cache, slot);
     store_rows(v, v_cache, slot);
     const at::Tensor attended = attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
-    const at::Tensor o = dense.call(attended.view({tokens, heads * dim}), w[2]);
+    const at::Tensor o = product(attended.view({tokens, heads * dim}), w[2], width);
     std::tie(x, res) = norm.call(o, w[3], eps, res);
-    x = dense.call(silu_and_mul.call(dense.call(x, w[4])), w[5]);
+    x = product(silu_and_mul.call(product(x, w[4], 2 * intermediate)), w[5], width);
   }
   return {x, res};
 }
@@ -116,7 +125,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, float eps, float scale, "
-        "int heads, int kv_heads) -> (Tensor, Tensor)");
+        "int heads, int kv_heads, bool amx) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -197,7 +197,21 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 template <typename scalar_t>
 void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t half, scalar_t* out) {
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kHasVec16<scalar_t>) {
+    for (; i + 16 <= half; i += 16) {
+      const __m512 lo = load16(x + i), hi = load16(x + i + half);
+      const __m512 lo_cos = round16<scalar_t>(_mm512_mul_ps(lo, load16(cos + i)));
+      const __m512 hi_sin = round16<scalar_t>(_mm512_mul_ps(hi, load16(sin + i)));
+      const __m512 hi_cos = round16<scalar_t>(_mm512_mul_ps(hi, load16(cos + i + half)));
+      const __m512 lo_sin = round16<scalar_t>(_mm512_mul_ps(lo, load16(sin + i + half)));
+      store16(out + i, _mm512_sub_ps(lo_cos, hi_sin));
+      store16(out + i + half, _mm512_add_ps(hi_cos, lo_sin));
+    }
+  }
+#endif
+  for (; i < half; ++i) {
     const float lo = static_cast<float>(x[i]), hi = static_cast<float>(x[i + half]);
     out[i] = static_cast<scalar_t>(rounded<scalar_t>(lo * static_cast<float>(cos[i])) +
                                    rounded<scalar_t>(-hi * static_cast<float>(sin[i])));

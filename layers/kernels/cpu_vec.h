@@ -74,6 +74,18 @@ inline void store16<c10::Half>(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
+// v rounded to scalar_t's precision and widened back: what storing and reloading it gives
+template <typename scalar_t>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return v;
+  } else {
+    alignas(64) scalar_t narrow[16];
+    store16(narrow, v);
+    return load16(narrow);
+  }
+}
+
 // exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to
 // r^7 (relative error ~1e-7 over float's range; below -87 it flushes to 0).
 inline __m512 exp16(__m512 x) {

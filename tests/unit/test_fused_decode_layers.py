@@ -1,6 +1,6 @@
 """The decoder layers in one C++ call for eager decode steps (layers/fused_decode.py):
 taken in the avx2 and avx512 builds where every op is one of meshserve's kernels (bf16 weights
-only on CPUs without bf16 dot products, where meshserve's panels multiply them), it gives the tokens of
+where meshserve's panels or its AMX tiles multiply them, not oneDNN), it gives the tokens of
 the Python loop over the layers and of transformers, alone and batched, in float32 and
 bfloat16; a later pipeline stage's input (a residual given) gives the loop's hidden states and
 cache rows; models or caches it does not cover keep the Python loop."""
@@ -47,11 +47,12 @@ def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoin
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, *AVX2, f"model.dtype={dtype}", f"device.cpu_isa={isa}")
     eager = engine.executor.runner.decode.eager
-    if dtype == "bfloat16" and cpu_features().bf16_compute:  # bf16 products are AMX's or oneDNN's there
+    amx = dtype == "bfloat16" and isa == "avx512" and cpu_features().amx_bf16
+    if dtype == "bfloat16" and cpu_features().bf16_compute and not amx:  # bf16 products are oneDNN's there
         assert eager.fused is None and "in panels" not in engine.executor.runner.model.matmuls.describe()
         assert _tokens(engine) == [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
         return
-    assert eager.fused is not None
+    assert eager.fused is not None and eager.fused.amx == amx
     counting = eager.fused.op = Counting(eager.fused.op)
     alone = [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
     batched = _tokens(engine)
