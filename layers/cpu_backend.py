@@ -55,8 +55,11 @@ def cpu_paged_attention(library: CpuLibrary, q: torch.Tensor, k: torch.Tensor, v
     """Stores the new K/V (int8 rows quantized in C++), then attends: decodes in the C++
     paged kernel, fresh chunks in the C++ prefill kernel where it fits, the rest as the
     torch backend does."""
-    attention.store_kv(kv_cache, k, v, meta.slot_mapping, quantize=library.ops.quantize_kv_int8)
     k_cache, v_cache = kv_cache
+    if k_cache.dtype == k.dtype and not torch.compiler.is_compiling() and _heads_contiguous(k, v):
+        library.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        attention.store_kv(kv_cache, k, v, meta.slot_mapping, quantize=library.ops.quantize_kv_int8)
     if meta.decode_only:  # every row decodes, in order
         return cpu_attention.paged_decode_attention(library, q, k_cache, v_cache, meta.decode_block_tables,
                                                     meta.decode_lens, scale)
@@ -69,6 +72,11 @@ def cpu_paged_attention(library: CpuLibrary, q: torch.Tensor, k: torch.Tensor, v
         if not (fused and chunk.fresh):
             attention.prefill_chunk(q, k, v, kv_cache, chunk, scale, out)
     return out
+
+
+def _heads_contiguous(*rows: torch.Tensor) -> bool:
+    """Whether each token's heads of (tokens, heads, head_dim) rows are one contiguous run."""
+    return all(r.stride(2) == 1 and r.stride(1) == r.shape[2] for r in rows)
 
 
 class CpuBackend(TorchBackend):

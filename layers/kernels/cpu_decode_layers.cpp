@@ -51,6 +51,29 @@ void store_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* 
   for (int64_t t = 0; t < tokens; ++t) std::memcpy(dst + slots[t] * bytes, src + t * stride, bytes);
 }
 
+// k, v (tokens, kv_heads, head_dim), each token's heads contiguous -> their slots of the
+// caches (blocks, block_size, kv_heads, head_dim) of their dtype: a row copy per token where
+// index_copy_ takes far longer on a prefill's rows.
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  for (const at::Tensor* rows : {&k, &v})
+    TORCH_CHECK(rows->dim() == 3 && rows->stride(2) == 1 && rows->stride(1) == rows->size(2) &&
+                    rows->size(1) == k_cache.size(2) && rows->size(2) == k_cache.size(3) &&
+                    rows->scalar_type() == k_cache.scalar_type() && rows->size(0) == slots.numel(),
+                "store_kv: rows (tokens, ", k_cache.size(2), ", ", k_cache.size(3), ") of the cache's dtype with ",
+                "contiguous heads, one slot each, got ", rows->sizes(), " and ", slots.numel(), " slots");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: contiguous K and V caches of one shape and dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "store_kv: int64 slots");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t slots_total = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "store_kv: slot ", slot[t], " outside the cache's ", slots_total);
+  store_rows(k, k_cache, slot);
+  store_rows(v, v_cache, slot);
+}
+
 Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::TensorList weights,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
@@ -126,6 +149,10 @@ TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, float eps, float scale, "
         "int heads, int kv_heads, bool amx) -> (Tensor, Tensor)");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("store_kv", &store_kv);
+}

@@ -74,15 +74,18 @@ inline void store16<c10::Half>(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
-// v rounded to scalar_t's precision and widened back: what storing and reloading it gives
+// v rounded to scalar_t's precision and widened back: what store16 and load16 give, in registers
 template <typename scalar_t>
 inline __m512 round16(__m512 v) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return v;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   } else {
-    alignas(64) scalar_t narrow[16];
-    store16(narrow, v);
-    return load16(narrow);
+    return v;
   }
 }
 

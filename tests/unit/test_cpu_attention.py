@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshserve.layers import attention
 from meshserve.layers.attention import build_attention_metadata, paged_attention
 from meshserve.layers.cpu_backend import CpuBackend, build_cpu_metadata
 from meshserve.layers.kernels import cpu_attention, cpu_library
@@ -182,3 +183,22 @@ def test_a_step_with_fresh_and_prefixed_chunks_and_a_decode_matches_the_torch_ba
         want = paged_attention(q, k, v, caches["torch"], build_attention_metadata(query_lens, seq_lens, step_tables,
                                                                                  block), head_dim ** -0.5)
         torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_store_kv_writes_what_index_copy_writes_and_refuses_slots_outside_the_cache(dtype, cpu_build):
+    """The C++ KV store the cpu backend takes for caches of the rows' dtype: k and v as
+    views of one fused projection, slots scattered over the blocks."""
+    g = torch.Generator().manual_seed(0)
+    tokens, kv_heads, head_dim = 37, 3, 64
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    _, k, v = qkv.split([9 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    caches = [torch.randn(10, 16, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    slots = torch.randperm(160, generator=g)[:tokens]
+    cpu_build.ops.store_kv(k, v, caches[0], caches[1], slots)
+    attention.store_kv(tuple(want), k, v, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(RuntimeError, match="slot 160 outside the cache's 160"):
+        cpu_build.ops.store_kv(k[:1], v[:1], caches[0], caches[1], torch.tensor([160]))
