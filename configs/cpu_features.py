@@ -53,6 +53,12 @@ class CpuFeatures:
         Never assumed where the flags are unknown: the instructions fault without them."""
         return self.known and {"amx_tile", "amx_bf16"} <= self.flags
 
+    @property
+    def amx_int8(self) -> bool:
+        """AMX's int8 tiles (TDPBUSD): the w8a8 product on them (cpu_amx_linear.cpp) runs.
+        Never assumed where the flags are unknown."""
+        return self.known and {"amx_tile", "amx_int8"} <= self.flags
+
     def runs(self, isa: str) -> bool:
         if isa not in ISA_FLAGS:
             raise ValueError(f"unknown CPU kernel build {isa!r} ({', '.join(ISAS)})")

@@ -23,7 +23,7 @@ from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.quantization import Quantization
 from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.matmul import DENSE_ISAS, AmxCpuMatmul, DenseCpuMatmul, PackedCpuMatmul, WidenedCpuMatmul
-from meshserve.layers.quant import Int4Matmul, Int8DynamicMatmul, Int8Matmul, W8A8Matmul, kernel_dtype
+from meshserve.layers.quant import Int4Matmul, Int8DynamicMatmul, Int8Matmul, W8A8Matmul, amx_int8_runs, kernel_dtype
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -170,6 +170,8 @@ class W8A8Rows(MatmulKernel):
         return W8A8Matmul(weight, self.library)
 
     def describe(self) -> str:
+        if amx_int8_runs(self.library):
+            return "AMX int8 tiles on 8-bit rows (oneDNN u8 x s8 where the inputs are not a multiple of 64)"
         return "oneDNN u8 x s8 (VNNI) on 8-bit rows"
 
 

@@ -170,19 +170,30 @@ class W8A8Matmul:
     it comes (symmetric, its absmax to 127, stored as uint8 around 128), multiplied by
     oneDNN's u8 x s8 kernel (VNNI), which applies W's scales; x's row scales follow. All
     three in one C++ op (cpu_quantize_rows.cpp) of `library` where it built, eager or
-    compiled; else in torch ops around the product."""
+    compiled; else in torch ops around the product. Where the CPU has AMX-INT8 (and the
+    avx512 build), the product is AmxW8A8's instead."""
 
-    def __init__(self, weight: torch.Tensor, library: CpuLibrary | None):
+    AMX_STEP_K = 64
+    """Inputs an AMX int8 tile row holds: in-features a multiple of it take the AMX product."""
+
+    def __init__(self, weight: torch.Tensor, library: CpuLibrary | None, *, amx: bool = True):
+        """`amx`: take the AMX int8 product where it runs (False: oneDNN's, as elsewhere)."""
         if not cpu_features().vnni:
             raise ValueError(f"w8a8 needs a CPU with VNNI for oneDNN's u8 x s8 product; this one has "
                              f"{cpu_features().describe()} (config validation refuses it before any rank starts)")
         codes, self.scale = quantize_int8(weight)
         self.out_features, self.in_features = weight.shape
+        self.amx = None
+        if amx and amx_int8_runs(library) and self.in_features % self.AMX_STEP_K == 0:
+            self.amx = AmxW8A8(codes, self.scale, library)
+            return
         self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
         self.zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.native = None if library is None else library.ops.w8a8_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None:
+            return self.amx(x)
         if self.native is not None:
             return self.native(x, self.packed, self.scale, self.zero)
         codes, x_scale = quantize_rows_u8(x.reshape(-1, self.in_features))
@@ -191,6 +202,32 @@ class W8A8Matmul:
         else:
             y = _w8a8_matmul(codes, self.packed, self.scale, self.zero, x.dtype).mul_(x_scale)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def amx_int8_runs(library: CpuLibrary | None) -> bool:
+    """Whether w8a8 products go through AMX's int8 tiles: the avx512 build on a CPU with AMX-INT8."""
+    return library is not None and library.isa == "avx512" and cpu_features().amx_int8
+
+
+class AmxW8A8:
+    """The w8a8 product on AMX's int8 tiles (layers/kernels/cpu_amx_linear.cpp
+    amx_w8a8_linear): the weight's int8 codes in tile order, each output's scale and code sum
+    (the zero point of x's uint8 codes times it comes off the int32 sums exactly), x's rows
+    quantized inside the op. The same numbers as oneDNN's u8 x s8 product up to the float32
+    order of the scales."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, library: CpuLibrary):
+        self.out_features = codes.shape[0]
+        self.packed = library.ops.amx_pack_s8(codes)
+        padded = self.packed.shape[0] * 32
+        self.scale = torch.zeros(padded)
+        self.scale[: self.out_features] = scale.float().view(-1)
+        self.sums = torch.zeros(padded, dtype=torch.int32)
+        self.sums[: self.out_features] = codes.sum(dim=1, dtype=torch.int32)
+        self.op = library.ops.amx_w8a8_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.packed, self.scale, self.sums, self.out_features)
 
 
 U8_ZERO = 128

@@ -124,7 +124,7 @@ def main() -> int:
           f"medians of {args.rounds} rounds; CPU: {cpu_features().describe()}, {os.cpu_count()} cores")
     header = f"{'config':<30}{'first start':>12}{'later start':>12}"
     for c in args.concurrency:
-        header += f"{f'c={c} tok/s':>12}{'TPOT p99':>9}"
+        header += f"{f'c={c} tok/s':>12}{'TTFT p50/p99':>15}{'TPOT p99':>9}"
     print(header)
     summary = {"cpu": cpu_features().describe(), "cores": os.cpu_count(), "rounds": args.rounds,
                "input_len": args.input_len, "output_len": args.output_len, "configs": {}}
@@ -140,7 +140,8 @@ def main() -> int:
         medians = {}
         for c in map(str, args.concurrency):
             medians[c] = {k: median_of(rounds, c, k) for k in KEYS}
-            line += f"{medians[c]['output_throughput']:>12.1f}{medians[c]['p99_tpot_ms']:>9.1f}"
+            ttft = f"{medians[c]['median_ttft_ms']:.0f}/{medians[c]['p99_ttft_ms']:.0f}"
+            line += f"{medians[c]['output_throughput']:>12.1f}{ttft:>15}{medians[c]['p99_tpot_ms']:>9.1f}"
         summary["configs"][name]["medians"] = medians
         summary["configs"][name]["first_start_s"] = rounds[0]["ready_s"]
         summary["configs"][name]["later_start_s"] = statistics.median(later) if later else None

@@ -13,6 +13,13 @@
 // sums + 2 A + 2 B, the 8 tile registers. Threads split the blocks; each block's weights stay
 // in L1/L2 while all row blocks of x pass, so prefill reads the weight once too.
 //
+// amx_w8a8_linear(x, packed, w_scale, w_sums, out_features): the w8a8 product (meshserve/
+// layers/quant.py W8A8Matmul) on AMX's int8 tiles (TDPBUSD): x's rows quantized to uint8 codes
+// around 128 with a scale each (quantize_rows_u8), times int8 weight codes packed by
+// amx_pack_s8 as amx_pack packs bf16 ones, with 64 inputs (4 bytes a column) a tile row; the
+// int32 sums less 128 times each column's code sum (`w_sums`, exact in int32), times the row's
+// and the column's scales, in x's dtype.
+//
 // The tile registers are configured per row count (ldtilecfg) and released when a thread is
 // done (the next user, oneDNN's kernels included, configures its own). Linux hands AMX's
 // state to a process only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM), done here once.
@@ -25,12 +32,15 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "cpu_vec.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <tuple>
 
 #if defined(__AVX512F__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -38,12 +48,19 @@
 #define MESHSERVE_AMX 1
 #endif
 
+#define MESHSERVE_STR2(x) #x
+#define MESHSERVE_STR(x) MESHSERVE_STR2(x)
+
 namespace {
 
 constexpr int64_t kBlockN = 32;  // outputs a block: two 16-column tiles
 constexpr int64_t kStepK = 32;   // inputs a k step: one tile row of bf16
 constexpr int64_t kBlockM = 32;  // x rows a pass: two 16-row tiles
 constexpr int64_t kTileElems = 16 * 32;
+constexpr int64_t kStepK8 = 64;      // int8 inputs a k step: one tile row of 64 bytes
+constexpr int64_t kTileBytes = 16 * 64;
+constexpr int32_t kZeroPoint = 128;  // of the uint8 codes of x
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the tile loads the weight is asked for
 constexpr int64_t kChunkBytes = 512 * 1024;  // weights a chunk: kept in L2 while x's row blocks pass
 
 #if defined(MESHSERVE_AMX)
@@ -62,6 +79,14 @@ bool amx_permitted() {
   constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
   static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   return ok;
+}
+
+// Asks for the `bytes` of the weight kPrefetchBytes past `w` (a later k step's tiles): the
+// tile loads wait on memory in turn, the TDPs between them keep few misses in flight, and a
+// block's stream runs on into the thread's next block.
+inline void prefetch_ahead(const void* w, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(w) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
 
 // tiles 0-3: sums (rows0 x 16 for A tile 4, rows1 x 16 for A tile 5), 4-5: x, 6-7: weights
@@ -88,6 +113,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const c10::BFloat16* x, 
     _tile_zero(3);
   }
   for (int64_t k = 0; k < K; k += kStepK, w += 2 * kTileElems) {
+    prefetch_ahead(w, 2 * kTileElems * sizeof(c10::BFloat16));
     _tile_loadd(6, w, 64);
     _tile_loadd(7, w + kTileElems, 64);
     _tile_loadd(4, x + k, ldx);
@@ -104,6 +130,37 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(const c10::BFloat16* x, 
   if (two) {
     _tile_stored(2, sums + 16 * kBlockN, kBlockN * sizeof(float));
     _tile_stored(3, sums + 16 * kBlockN + 16, kBlockN * sizeof(float));
+  }
+}
+
+// int32 sums [32][32] = uint8 codes of x rows (rows0 + rows1, ldx bytes apart) times one block
+// of int8 weight codes, 64 inputs a k step
+__attribute__((target("amx-tile,amx-int8"))) void block_s8(const uint8_t* x, int64_t K, const int8_t* w, bool two,
+                                                              int32_t* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += kStepK8, w += 2 * kTileBytes) {
+    prefetch_ahead(w, 2 * kTileBytes);
+    _tile_loadd(6, w, 64);
+    _tile_loadd(7, w + kTileBytes, 64);
+    _tile_loadd(4, x + k, K);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x + 16 * K + k, K);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, kBlockN * sizeof(int32_t));
+  _tile_stored(1, sums + 16, kBlockN * sizeof(int32_t));
+  if (two) {
+    _tile_stored(2, sums + 16 * kBlockN, kBlockN * sizeof(int32_t));
+    _tile_stored(3, sums + 16 * kBlockN + 16, kBlockN * sizeof(int32_t));
   }
 }
 
@@ -165,6 +222,67 @@ void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_featur
 }
 #endif
 
+#if defined(MESHSERVE_AMX)
+// y [M, out_features] = ((codes [M, K] times the packed int8 weight) - 128 w_sums) x_scale
+// w_scale, in scalar_t; multiply's order and split.
+template <typename scalar_t>
+void multiply_s8(const at::Tensor& codes, const at::Tensor& x_scale, const at::Tensor& packed,
+                 const at::Tensor& w_scale, const at::Tensor& w_sums, int64_t out_features, at::Tensor& y) {
+  const int64_t M = codes.size(0), K = codes.size(1), blocks = packed.size(0);
+  const auto* xp = codes.data_ptr<uint8_t>();
+  const auto* wp = packed.data_ptr<int8_t>();
+  const float* xs = x_scale.data_ptr<float>();
+  const float* ws = w_scale.data_ptr<float>();
+  const int32_t* sums_w = w_sums.data_ptr<int32_t>();
+  auto* yp = y.data_ptr<scalar_t>();
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kBlockN));
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t sums[kBlockM * kBlockN];
+    int configured = 0;
+    for (int64_t first = begin; first < end; first += chunk) {
+      const int64_t last = std::min(end, first + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
+        const int rows = static_cast<int>(std::min(kBlockM, M - m0));
+        if (rows != configured) {
+          configure(std::min(16, rows), std::max(0, rows - 16));
+          configured = rows;
+        }
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
+          if (cols <= 0) continue;
+          block_s8(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
+          if (cols == kBlockN) {
+            // the zero point's share and the weights' scales of the block's 32 columns, once
+            const __m512i zero = _mm512_set1_epi32(kZeroPoint);
+            const __m512i off0 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0), zero);
+            const __m512i off1 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0 + 16), zero);
+            const __m512 ws0 = _mm512_loadu_ps(ws + n0), ws1 = _mm512_loadu_ps(ws + n0 + 16);
+            for (int m = 0; m < rows; ++m) {
+              const int32_t* s = sums + m * kBlockN;
+              scalar_t* out = yp + (m0 + m) * out_features + n0;
+              const __m512 by = _mm512_set1_ps(xs[m0 + m]);
+              const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(s), off0));
+              const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(s + 16), off1));
+              store16(out, _mm512_mul_ps(_mm512_mul_ps(y0, by), ws0));
+              store16(out + 16, _mm512_mul_ps(_mm512_mul_ps(y1, by), ws1));
+            }
+            continue;
+          }
+          for (int m = 0; m < rows; ++m) {
+            const int32_t* s = sums + m * kBlockN;
+            scalar_t* out = yp + (m0 + m) * out_features + n0;
+            const float by = xs[m0 + m];
+            for (int64_t j = 0; j < cols; ++j)
+              out[j] = static_cast<scalar_t>(static_cast<float>(s[j] - kZeroPoint * sums_w[n0 + j]) * by * ws[n0 + j]);
+          }
+        }
+      }
+    }
+    if (configured) release();
+  });
+}
+#endif
+
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, bool float_out) {
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
@@ -199,6 +317,56 @@ at::Tensor amx_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
   return product(x, packed, out_features, true);
 }
 
+at::Tensor amx_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                           const at::Tensor& w_sums, int64_t out_features) {
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.size(1) == K * kBlockN &&
+                  packed.is_contiguous() && K % kStepK8 == 0,
+              "amx_w8a8_linear: the weight must come from amx_pack_s8, for inputs of ", K, " features");
+  TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kBlockN, "amx_w8a8_linear: ", out_features,
+              " outputs for a weight of ", packed.size(0), " blocks");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.numel() == packed.size(0) * kBlockN && w_sums.scalar_type() == at::kInt &&
+                  w_sums.is_contiguous() && w_sums.numel() == w_scale.numel(),
+              "amx_w8a8_linear: float32 scales and int32 code sums, one per packed output (", packed.size(0) * kBlockN,
+              ")");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "amx_w8a8_linear: x in bfloat16 or float32");
+#if defined(MESHSERVE_AMX)
+  TORCH_CHECK(amx_permitted(), "amx_w8a8_linear: Linux refused this process AMX's tile state");
+  static const auto quantize =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow((std::string(MESHSERVE_STR(MESHSERVE_NS)) + "::quantize_rows_u8").c_str(), "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&)>();
+  at::Tensor rows = x.reshape({-1, K});
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  const auto [codes, scales] = quantize.call(rows);
+  auto y = at::empty({rows.size(0), out_features}, x.options());
+  if (rows.size(0) > 0) {
+    if (x.scalar_type() == at::kFloat)
+      multiply_s8<float>(codes, scales, packed, w_scale, w_sums, out_features, y);
+    else
+      multiply_s8<c10::BFloat16>(codes, scales, packed, w_scale, w_sums, out_features, y);
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = out_features;
+  return y.view(shape);
+#else
+  TORCH_CHECK(false, "amx_w8a8_linear runs in the avx512 build on Linux only");
+#endif
+}
+
+at::Tensor amx_pack_s8(const at::Tensor& codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) % kStepK8 == 0,
+              "amx_pack_s8: 2-D int8 codes with a multiple of ", kStepK8, " inputs");
+  const int64_t N = codes.size(0), K = codes.size(1), blocks = (N + kBlockN - 1) / kBlockN;
+  auto padded = at::zeros({blocks * kBlockN, K}, codes.options());
+  padded.narrow(0, 0, N).copy_(codes);
+  // [block, tile, j, step, i, quad] -> [block, step, tile, i, j, quad]
+  return padded.view({blocks, 2, 16, K / kStepK8, 16, 4}).permute({0, 3, 1, 4, 2, 5}).contiguous().view(
+      {blocks, K * kBlockN});
+}
+
 at::Tensor amx_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % kStepK == 0, "amx_pack: a 2-D weight with a multiple of ",
               kStepK, " inputs");
@@ -216,10 +384,14 @@ TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("amx_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("amx_linear_f32(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("amx_pack(Tensor weight) -> Tensor");
+  m.def("amx_w8a8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor w_sums, int out_features) -> Tensor");
+  m.def("amx_pack_s8(Tensor codes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_linear_f32", &amx_linear_f32);
   m.impl("amx_pack", &amx_pack);
+  m.impl("amx_w8a8_linear", &amx_w8a8_linear);
+  m.impl("amx_pack_s8", &amx_pack_s8);
 }

@@ -261,6 +261,14 @@ def _amx_pack_shape(weight):
     return weight.new_empty((-(-weight.shape[0] // 32), weight.shape[1] * 32), dtype=torch.bfloat16)
 
 
+def _amx_w8a8_linear_shape(x, packed, w_scale, w_sums, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _amx_pack_s8_shape(codes):
+    return codes.new_empty((-(-codes.shape[0] // 32), codes.shape[1] * 32))
+
+
 SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
           "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
@@ -268,5 +276,6 @@ SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_atte
           "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape, "dense_linear": _dense_linear_shape,
           "pack_panels": _pack_panels_shape, "panel_rows": _panel_rows_shape,
           "rotary": _rotary_shape, "amx_linear": _amx_linear_shape,
-          "amx_linear_f32": _amx_linear_f32_shape, "amx_pack": _amx_pack_shape}
+          "amx_linear_f32": _amx_linear_f32_shape, "amx_pack": _amx_pack_shape,
+          "amx_w8a8_linear": _amx_w8a8_linear_shape, "amx_pack_s8": _amx_pack_s8_shape}
 """Each op's shape function, for torch.compile."""

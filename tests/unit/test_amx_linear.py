@@ -1,7 +1,8 @@
 """meshserve's AMX product (layers/kernels/cpu_amx_linear.cpp): bf16 weights in AMX tile order
 times bf16 rows, float32 sums, against torch's product in float32 of the same numbers; the
 matmul plan takes it for bf16 models on the avx512 build where the CPU has AMX-BF16, and
-nowhere else. The products run only on such a CPU (skipped elsewhere, naming the feature);
+nowhere else. The w8a8 product on AMX's int8 tiles against float64 math on its integer codes.
+The products run only on such a CPU (skipped elsewhere, naming the feature);
 the plan's choice and the other builds' refusal are checked on any CPU."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from meshserve.layers.kernels import cpu_library
 from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.linear import ColumnParallelLinear
 from meshserve.layers.matmul import AmxCpuMatmul, PackedCpuMatmul
+from meshserve.layers.quant import U8_ZERO, AmxW8A8, quantize_int8, quantize_rows_u8
 from meshserve.layers.weights import MemoryTensor
 
 AMX = cpu_features().amx_bf16 and cpu_features().runs("avx512")
@@ -75,6 +77,34 @@ def test_the_amx_product_refuses_what_it_cannot_multiply(avx512):
         avx512.ops.amx_linear(torch.randn(2, 32).bfloat16(), packed, 40)
     with pytest.raises(RuntimeError, match="65 outputs for a weight of 2 blocks"):
         avx512.ops.amx_linear(torch.randn(2, 64).bfloat16(), packed, 65)
+
+
+AMX_INT8 = cpu_features().amx_int8 and cpu_features().runs("avx512")
+
+
+@pytest.mark.skipif(not AMX_INT8, reason="needs AMX-INT8 (and the avx512 build)")
+def test_the_amx_int8_product_matches_the_math_on_the_codes(avx512):
+    """amx_w8a8_linear against float64 math on the same integer codes and scales, for
+    bf16 and float32 rows, the shapes above with 64-multiple inputs (outputs past a block,
+    rows past a tile pass, no rows); and its refusals."""
+    g = torch.Generator().manual_seed(0)
+    for (rows, n, k), dtype in zip([(1, 40, 64), (17, 96, 576), (33, 80, 1536), (70, 50, 128), (0, 32, 64)],
+                                   [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]):
+        w = torch.randn(n, k, generator=g) * 0.05
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        codes, scale = quantize_int8(w)
+        product = AmxW8A8(codes, scale, avx512)
+        assert product.packed.shape == (-(-n // 32), 32 * k) and product.packed.dtype == torch.int8
+        got = product(x)
+        x_codes, x_scale = quantize_rows_u8(x)
+        want = ((x_codes.double() - U8_ZERO) * x_scale.double()) @ (codes.double() * scale.double().view(-1, 1)).t()
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
+    with pytest.raises(RuntimeError, match="multiple of 64 inputs"):
+        avx512.ops.amx_pack_s8(torch.zeros(8, 96, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="from amx_pack_s8, for inputs of 128"):
+        product(torch.randn(2, 128))
 
 
 @pytest.mark.parametrize("isa", [isa for isa in ("avx2", "scalar") if cpu_features().runs(isa)])

@@ -19,7 +19,7 @@ from meshserve.layers.attention import build_attention_metadata
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.llama import LlamaForCausalLM
 from meshserve.layers.loader import load_weights
-from meshserve.layers.quant import U8_ZERO, W8A8Matmul, quantize_int8, quantize_rows_u8
+from meshserve.layers.quant import U8_ZERO, W8A8Matmul, amx_int8_runs, quantize_int8, quantize_rows_u8
 from meshserve.layers.smoothquant import smooth
 from support.cpu import needs_vnni
 from support.reference import meshserve_logits
@@ -72,9 +72,15 @@ def test_native_row_rescale_matches_torch_ops(dtype, cpu_build):
 
 
 def _paths(w: torch.Tensor) -> dict[str, W8A8Matmul]:
+    """Every way this machine multiplies: torch ops around oneDNN, the C++ op around it, and
+    where the CPU has AMX-INT8 the AMX product."""
     paths = {"torch ops": W8A8Matmul(w, None)}
-    if cpu_library.load() is not None:
-        paths["C++"] = W8A8Matmul(w, cpu_library.load())
+    library = cpu_library.load()
+    if library is not None:
+        paths["C++"] = W8A8Matmul(w, library, amx=False)
+        if amx_int8_runs(library):
+            paths["AMX"] = W8A8Matmul(w, library)
+            assert paths["AMX"].amx is not None
     return paths
 
 
@@ -107,6 +113,7 @@ def test_w8a8_matmul_compiled_matches_eager():
     for rows in (2, 9, 33):
         x = rows_with_outliers(rows, 192, torch.float32)
         torch.testing.assert_close(compiled(x), matmul(x) + 1, atol=1e-4, rtol=1e-4)
+    assert (matmul.amx is not None) == amx_int8_runs(cpu_library.load())  # whichever this machine takes
 
 
 def _plain_model(path):
