@@ -102,6 +102,8 @@ def main() -> int:
     p.add_argument("--prompts-per-slot", type=int, default=1, help="prompts per concurrency slot in each run")
     p.add_argument("--min-prompts", type=int, default=4)
     p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--fresh-home", action=argparse.BooleanOptionalAction, default=True,
+                   help="the first round's servers on an empty meshserve cache (--no-fresh-home: the machine's)")
     p.add_argument("--config", action="append", default=[], metavar="NAME=OVERRIDE,OVERRIDE",
                    help="a config to measure instead of the default switches (repeatable; @FILE for a config file)")
     p.add_argument("--out", default=str(REPO / "results" / "bench_switches"))
@@ -117,7 +119,7 @@ def main() -> int:
             order = names[round_no % len(names):] + names[:round_no % len(names)]
             for name in order:
                 # each config's first server starts on an empty meshserve cache (a fresh install)
-                home = str(Path(fresh_home) / str(names.index(name))) if round_no == 0 else None
+                home = str(Path(fresh_home) / str(names.index(name))) if round_no == 0 and args.fresh_home else None
                 results[name].append(run_config(name, configs[name], args, out_dir, round_no, home))
 
     print(f"\nSmolLM2-135M-Instruct, {args.input_len}-token prompts, {args.output_len} output tokens, "
