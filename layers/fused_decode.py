@@ -7,7 +7,7 @@ It takes the layers where each op is one of meshserve's C++ kernels: the Llama a
 MLP as they are (no QKV bias, no per-head norm, no experts), every product meshserve's own
 on a weight in its panels (layers/matmul.py DenseCpuMatmul: the avx2 and avx512 builds, float32
 or bf16, no quantization) or all its AMX product on bf16 weights (AmxCpuMatmul, where the CPU
-has AMX-BF16), one tensor-parallel rank (no all-reduce between the layers), and a
+has AMX-BF16, gate/up with the activation fused into it), one tensor-parallel rank (no all-reduce between the layers), and a
 cache in the activations' dtype (an int8 cache's rows are quantized in the Python path).
 """
 
@@ -67,7 +67,11 @@ def _products(layer) -> set[str | None]:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.bias is not None or m.tp.size != 1 for m in linears):
         return {None}
-    return {_product_kind(m.packed) for m in linears}
+    kinds = {_product_kind(m.packed) for m in linears}
+    # the AMX call takes gate/up with the activation fused (amx_linear_silu), the panels' without
+    if mlp.gate_up_proj.applies_silu_mul != (kinds == {"amx"}):
+        return {None}
+    return kinds
 
 
 def _product_kind(product) -> str | None:

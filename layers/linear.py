@@ -102,9 +102,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     one matmul computes them. Rank i holds [A_1,i ; A_2,i ; ...]."""
 
     def __init__(self, input_size: int, output_sizes: list[int], tp: AxisGroup, bias: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, may_fuse_silu_mul: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), tp, bias, dtype)
+        self.may_fuse_silu_mul = may_fuse_silu_mul and len(output_sizes) == 2 and not bias
+        self.applies_silu_mul = False
+        """Set once prepared with the activation fused (the MLP's gate/up, where the plan's kernel
+        has the fused product): the output is then silu(gate) * up, half the width."""
+
+    def pack_weight(self, plan: MatmulPlan) -> None:
+        if self.packed is None and self.may_fuse_silu_mul:
+            fused = self.kernel(plan).silu_mul_product(self.weight)
+            if fused is not None:
+                self.packed, self.applies_silu_mul = fused, True
+                self.weight.data = self.weight.data.new_empty(0)
+                return
+        super().pack_weight(plan)
 
     def weight_loader(self, param, loaded, shard_id=None):
         size = _divide(self.output_sizes[shard_id], self.tp.size, f"output_sizes[{shard_id}]")

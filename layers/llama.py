@@ -80,17 +80,23 @@ class LlamaMLP(nn.Module):
                  intermediate_size: int | None = None):
         super().__init__()
         intermediate_size = intermediate_size or info.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(info.hidden_size, [intermediate_size] * 2, tp, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(info.hidden_size, [intermediate_size] * 2, tp, dtype=dtype,
+                                                       may_fuse_silu_mul=True)
         self.down_proj = RowParallelLinear(intermediate_size, info.hidden_size, tp, dtype=dtype)
         self.act = (backend or TorchBackend()).silu_and_mul
 
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): gate_up is (num_tokens, 2 * local_intermediate_size), gate then
+        up, unless its product applies the activation itself."""
+        h = self.gate_up_proj(x)
+        return h if self.gate_up_proj.applies_silu_mul else self.act(h)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gate_up: (num_tokens, 2 * local_intermediate_size), gate then up
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.activated(x))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This tp rank's partial sum of the output: `forward` without its all-reduce."""
-        return self.down_proj.matmul(self.act(self.gate_up_proj(x)))
+        return self.down_proj.matmul(self.activated(x))
 
 
 class LlamaDecoderLayer(nn.Module):

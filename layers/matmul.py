@@ -98,15 +98,25 @@ class AmxCpuMatmul:
     inputs are a multiple of STEP_K, permuted once into AMX tile order (a copy; N padded to 32),
     multiplied by AMX's bf16 tiles into float32 sums, 32 outputs by up to 32 rows a pass, each
     block of the weight one sequential stream. The avx512 build on a CPU with AMX-BF16.
-    `float_out`: the float32 sums are the output (the LM head's logits), not rounded to bf16."""
+    `float_out`: the float32 sums are the output (the LM head's logits), not rounded to bf16.
+    `silu_mul`: the weight is the MLP's gate/up [gate; up] and the output silu(gate) * up, as
+    silu_and_mul gives it: the rows interleaved 16 by 16 before packing, so that each block's
+    tiles hold 16 gates and their ups, combined as they leave the tiles (amx_linear_silu)."""
 
     STEP_K = 32
     """Inputs a tile row holds: the weight's in-features must be a multiple."""
+    SILU_ROWS = 32
+    """silu_mul: the gate/up weight's rows must be a multiple (16 gates and 16 ups a block)."""
 
-    def __init__(self, weight: torch.Tensor, library: CpuLibrary, float_out: bool = False):
-        self.out_features, self.float_out = weight.shape[0], float_out
-        self.packed = library.ops.amx_pack(weight.detach())
-        self.op = library.ops.amx_linear_f32 if float_out else library.ops.amx_linear
+    def __init__(self, weight: torch.Tensor, library: CpuLibrary, float_out: bool = False, silu_mul: bool = False):
+        self.out_features, self.float_out, self.silu_mul = weight.shape[0], float_out, silu_mul
+        weight = weight.detach()
+        if silu_mul:
+            self.out_features = weight.shape[0] // 2
+            weight = weight.view(2, -1, 16, weight.shape[1]).transpose(0, 1).reshape(weight.shape)
+        self.packed = library.ops.amx_pack(weight)
+        self.op = (library.ops.amx_linear_f32 if float_out else
+                   library.ops.amx_linear_silu if silu_mul else library.ops.amx_linear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.packed, self.out_features)

@@ -42,6 +42,11 @@ class MatmulKernel:
         """`product` for one of the model's weights (a kernel may count what it prepared)."""
         return self.product(weight)
 
+    def silu_mul_product(self, weight: torch.Tensor):
+        """For the MLP's gate/up weight [gate; up]: a callable x -> silu(x gate^T) * (x up^T),
+        the activation fused into the product, or None where this kernel has none."""
+        return None
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -124,6 +129,11 @@ class AmxTiles(MatmulKernel):
         if weight.shape[1] % AmxCpuMatmul.STEP_K:
             return PackedCpuMatmul(weight)
         return AmxCpuMatmul(weight, self.library, self.float_out)
+
+    def silu_mul_product(self, weight):
+        if weight.shape[1] % AmxCpuMatmul.STEP_K or weight.shape[0] % AmxCpuMatmul.SILU_ROWS or self.float_out:
+            return None
+        return AmxCpuMatmul(weight, self.library, silu_mul=True)
 
     def describe(self) -> str:
         return "C++ AMX tiles on bfloat16 weights" + (", float32 out" if self.float_out else "")

@@ -2,6 +2,10 @@
 // amx_pack into AMX tile order, summed in float32 by the tiles; y in bfloat16.
 // amx_linear_f32: the same, y the float32 sums themselves (the LM head's logits: rounded to
 // bf16, near logits become equal and greedy decoding picks between ties).
+// amx_linear_silu(x, packed, out_features): silu(gate) * up of the MLP for a gate/up weight
+// whose rows were interleaved 16 by 16 (gate 0-15, up 0-15, gate 16-31, ...) before amx_pack:
+// each block's sums are 16 gates and their 16 ups, combined as they leave the tiles. The same
+// numbers as amx_linear then silu_and_mul, without writing and reading the product between.
 // amx_pack(weight): W [N, K] (K a multiple of 32) in tile order, N padded with zero rows to a
 // multiple of 32.
 //
@@ -21,11 +25,7 @@
 // and the column's scales, in x's dtype.
 //
 // The tile registers are configured per row count (ldtilecfg) and released when a thread is
-// done (the next user, oneDNN's kernels included, configures its own). Linux hands AMX's
-// state to a process only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM), done here once.
-// The functions that use AMX are compiled for it by attribute: the rest of the avx512 build
-// stays runnable on AVX-512 CPUs without AMX, and meshserve calls this op only where the CPU
-// has AMX-BF16 (layers/matmul_plan.py). Other builds register the op and refuse the call.
+// done; cpu_amx.h says how AMX is asked for. Other builds register the ops and refuse the call.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,18 +35,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "cpu_amx.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <tuple>
-
-#if defined(__AVX512F__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define MESHSERVE_AMX 1
-#endif
 
 #define MESHSERVE_STR2(x) #x
 #define MESHSERVE_STR(x) MESHSERVE_STR2(x)
@@ -67,20 +62,6 @@ constexpr int64_t kChunkBytes = 512 * 1024;  // weights a chunk: kept in L2 whil
 
 using namespace meshserve_cpu;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  return ok;
-}
-
 // Asks for the `bytes` of the weight kPrefetchBytes past `w` (a later k step's tiles): the
 // tile loads wait on memory in turn, the TDPs between them keep few misses in flight, and a
 // block's stream runs on into the thread's next block.
@@ -97,9 +78,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure(int rows0, int rows1
     cfg.rows[t] = static_cast<uint8_t>(rows[t]);
     cfg.colsb[t] = rows[t] ? 64 : 0;
   }
-  // NOTE: ldtilecfg reads the struct from memory; without the barrier GCC drops the stores
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // sums [32][32] = x rows (rows0 + rows1 of them, ldx apart) times one block of the weight
@@ -164,8 +143,6 @@ __attribute__((target("amx-tile,amx-int8"))) void block_s8(const uint8_t* x, int
   }
 }
 
-__attribute__((target("amx-tile"))) void release() { _tile_release(); }
-
 // y's `cols` (<= 32) columns from n0 of `rows` rows, rounded to bf16
 void store_block(const float* sums, int rows, int64_t cols, c10::BFloat16* y, int64_t ldy) {
   for (int m = 0; m < rows; ++m) {
@@ -180,6 +157,17 @@ void store_block(const float* sums, int rows, int64_t cols, c10::BFloat16* y, in
   }
 }
 
+// silu(gate) * up of a block packed from gate/up rows interleaved 16 by 16 (amx_linear_silu):
+// y's 16 columns from n0, each half rounded to bf16 first, as amx_linear then silu_and_mul
+// round them
+void store_silu_block(const float* sums, int rows, c10::BFloat16* y, int64_t ldy) {
+  for (int m = 0; m < rows; ++m) {
+    const float* s = sums + m * kBlockN;
+    store16(y + m * ldy, silu_mul16(round16<c10::BFloat16>(_mm512_loadu_ps(s)),
+                                    round16<c10::BFloat16>(_mm512_loadu_ps(s + 16))));
+  }
+}
+
 // the same, in float32
 void store_block(const float* sums, int rows, int64_t cols, float* y, int64_t ldy) {
   for (int m = 0; m < rows; ++m) std::copy(sums + m * kBlockN, sums + m * kBlockN + cols, y + m * ldy);
@@ -188,8 +176,9 @@ void store_block(const float* sums, int rows, int64_t cols, float* y, int64_t ld
 #endif
 
 #if defined(MESHSERVE_AMX)
-// y [M, out_features] = x2 [M, K] times the packed weight's `blocks` blocks, in out_t.
-template <typename out_t>
+// y [M, out_features] = x2 [M, K] times the packed weight's `blocks` blocks, in out_t; with
+// kSilu, silu(gate) * up of each block's two halves (out_features = 16 a block).
+template <typename out_t, bool kSilu = false>
 void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_features, at::Tensor& y) {
   const int64_t M = x2.size(0), K = x2.size(1), blocks = packed.size(0);
   const auto* xp = x2.data_ptr<c10::BFloat16>();
@@ -209,15 +198,19 @@ void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_featur
           configured = rows;
         }
         for (int64_t b = first; b < last; ++b) {
-          const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
+          constexpr int64_t outputs = kSilu ? kBlockN / 2 : kBlockN;
+          const int64_t n0 = b * outputs, cols = std::min(outputs, out_features - n0);
           if (cols > 0) {
             block(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
-            store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
+            if constexpr (kSilu)
+              store_silu_block(sums, rows, yp + m0 * out_features + n0, out_features);
+            else
+              store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
           }
         }
       }
     }
-    if (configured) release();
+    if (configured) release_tiles();
   });
 }
 #endif
@@ -278,26 +271,34 @@ void multiply_s8(const at::Tensor& codes, const at::Tensor& x_scale, const at::T
         }
       }
     }
-    if (configured) release();
+    if (configured) release_tiles();
   });
 }
 #endif
 
-at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, bool float_out) {
+enum class Epilogue { kBf16, kFloat, kSiluMul };
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, Epilogue epilogue) {
   const int64_t K = x.size(-1);
+  const bool float_out = epilogue == Epilogue::kFloat;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_linear: x and the packed weight must be bfloat16");
   TORCH_CHECK(K % kStepK == 0 && packed.dim() == 2 && packed.size(1) == K * kBlockN && packed.is_contiguous(),
               "amx_linear: the weight must come from amx_pack, for inputs of ", K, " features");
   TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kBlockN, "amx_linear: ", out_features,
               " outputs for a weight of ", packed.size(0), " blocks");
+  TORCH_CHECK(epilogue != Epilogue::kSiluMul || 2 * out_features == packed.size(0) * kBlockN,
+              "amx_linear_silu: ", out_features, " outputs are half the ", packed.size(0) * kBlockN,
+              " rows of the packed gate/up weight");
 #if defined(MESHSERVE_AMX)
   TORCH_CHECK(amx_permitted(), "amx_linear: Linux refused this process AMX's tile state");
   const auto x2 = x.reshape({-1, K}).contiguous();
   auto y = at::empty({x2.size(0), out_features}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (x2.size(0) > 0) {
-    if (float_out)
+    if (epilogue == Epilogue::kFloat)
       multiply<float>(x2, packed, out_features, y);
+    else if (epilogue == Epilogue::kSiluMul)
+      multiply<c10::BFloat16, true>(x2, packed, out_features, y);
     else
       multiply<c10::BFloat16>(x2, packed, out_features, y);
   }
@@ -310,11 +311,15 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t out_fe
 }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  return product(x, packed, out_features, false);
+  return product(x, packed, out_features, Epilogue::kBf16);
 }
 
 at::Tensor amx_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  return product(x, packed, out_features, true);
+  return product(x, packed, out_features, Epilogue::kFloat);
+}
+
+at::Tensor amx_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return product(x, packed, out_features, Epilogue::kSiluMul);
 }
 
 at::Tensor amx_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
@@ -383,6 +388,7 @@ at::Tensor amx_pack(const at::Tensor& weight) {
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("amx_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("amx_linear_f32(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("amx_linear_silu(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_w8a8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor w_sums, int out_features) -> Tensor");
   m.def("amx_pack_s8(Tensor codes) -> Tensor");
@@ -391,6 +397,7 @@ TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
 TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_linear_f32", &amx_linear_f32);
+  m.impl("amx_linear_silu", &amx_linear_silu);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_w8a8_linear", &amx_w8a8_linear);
   m.impl("amx_pack_s8", &amx_pack_s8);

@@ -1,5 +1,6 @@
 """meshserve's C++ attention for the CPU: paged decode (cpu_decode_attention.cpp) and the
-causal attention of prefill chunks with no cached prefix (cpu_prefill_attention.cpp).
+causal attention of prefill chunks with no cached prefix (cpu_prefill_attention.cpp; in
+bf16 on AMX tiles where the CPU has them, cpu_amx_attention.cpp).
 
 The torch backend's decode path otherwise gathers every sequence's blocks into a padded
 copy and calls SDPA with a mask, a large share of a decode step at many sequences (measured
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from meshserve.configs.cpu_features import cpu_features
 from meshserve.layers.kernels.cpu_library import CpuLibrary
 
-__all__ = ["paged_decode_attention", "prefill_attention", "prefill_fits"]
+__all__ = ["amx_prefill_runs", "paged_decode_attention", "prefill_attention", "prefill_fits"]
 
 PREFILL_HEAD_DIMS = (64, 128)
 """Head sizes the prefill kernel has a vector path for; others keep torch's SDPA."""
@@ -41,5 +43,14 @@ def prefill_attention(library: CpuLibrary, q: torch.Tensor, k: torch.Tensor, v: 
     """q (tokens, heads, head_dim), k and v (tokens, kv_heads, head_dim), the flat batch of
     a step; chunks (n, 2) int64, each chunk's first row and length -> (tokens, heads,
     head_dim) where each chunk's rows hold causal softmax attention over the chunk's own
-    keys (other rows are left unset)."""
+    keys (other rows are left unset). bf16 on AMX tiles where amx_prefill_runs."""
+    if amx_prefill_runs(library, q.dtype, q.shape[-1]):
+        return library.ops.amx_prefill_attention(q, k, v, chunks, scale)
     return library.ops.prefill_attention(q, k, v, chunks, scale)
+
+
+def amx_prefill_runs(library: CpuLibrary, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prefill_attention takes the AMX kernel: bf16, head sizes a multiple of 64 (up
+    to 256), the avx512 build on a CPU with AMX-BF16."""
+    return (dtype == torch.bfloat16 and head_dim % 64 == 0 and head_dim <= 256 and library.isa == "avx512"
+            and cpu_features().amx_bf16)

@@ -15,7 +15,8 @@
 // kv_heads) * head_dim, hidden], the o weight, the post-attention norm's weight, the gate/up
 // weight [2 * intermediate, hidden] and the down weight, all as dense_linear takes them, or
 // with `amx` all as amx_linear takes them (amx_pack's tile order; the outputs of each follow
-// from the heads, the norm's width and the down weight's inputs).
+// from the heads, the norm's width and the down weight's inputs), gate/up as amx_linear_silu
+// takes it (rows interleaved 16 by 16: its product gives silu(gate) * up).
 // `residual` none: the first layer's input is the embedding (the residual is the input).
 
 #include <ATen/core/Tensor.h>
@@ -93,6 +94,8 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
       library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, double)>("paged_decode_attention");
   static const auto silu_and_mul = library_op<at::Tensor(const at::Tensor&)>("silu_and_mul");
+  static const auto amx_linear_silu =
+      library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear_silu");
 
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers && static_cast<int64_t>(v_caches.size()) == layers,
@@ -138,7 +141,8 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
     const at::Tensor attended = attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
     const at::Tensor o = product(attended.view({tokens, heads * dim}), w[2], width);
     std::tie(x, res) = norm.call(o, w[3], eps, res);
-    x = product(silu_and_mul.call(product(x, w[4], 2 * intermediate)), w[5], width);
+    x = amx ? amx_linear_silu.call(x, w[4], intermediate) : silu_and_mul.call(product(x, w[4], 2 * intermediate));
+    x = product(x, w[5], width);
   }
   return {x, res};
 }

@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE_NAMES = ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp",
-                "cpu_sample.cpp", "cpu_dense_linear.cpp", "cpu_decode_layers.cpp", "cpu_amx_linear.cpp")
-HEADER_NAMES = ("cpu_vec.h",)
+                "cpu_sample.cpp", "cpu_dense_linear.cpp", "cpu_decode_layers.cpp", "cpu_amx_linear.cpp",
+                "cpu_amx_attention.cpp")
+HEADER_NAMES = ("cpu_vec.h", "cpu_amx.h")
 SOURCES = [KERNEL_DIR / name for name in SOURCE_NAMES]
 
 ISA_CFLAGS = {
@@ -270,12 +271,13 @@ def _amx_pack_s8_shape(codes):
 
 
 SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
+          "amx_prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
           "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
           "rms_norm": _rms_norm_shape, "silu_and_mul": _silu_and_mul_shape, "argmax_rows": _argmax_rows_shape,
           "sample_rows": _sample_rows_shape, "mask_rows": _mask_rows_shape, "dense_linear": _dense_linear_shape,
           "pack_panels": _pack_panels_shape, "panel_rows": _panel_rows_shape,
           "rotary": _rotary_shape, "amx_linear": _amx_linear_shape,
-          "amx_linear_f32": _amx_linear_f32_shape, "amx_pack": _amx_pack_shape,
+          "amx_linear_f32": _amx_linear_f32_shape, "amx_linear_silu": _amx_linear_shape, "amx_pack": _amx_pack_shape,
           "amx_w8a8_linear": _amx_w8a8_linear_shape, "amx_pack_s8": _amx_pack_s8_shape}
 """Each op's shape function, for torch.compile."""

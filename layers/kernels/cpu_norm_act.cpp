@@ -122,12 +122,7 @@ void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t half, scalar
   int64_t c = 0;
 #if defined(__AVX512F__)
   if constexpr (kHasVec16<scalar_t>) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; c + 16 <= half; c += 16) {
-      const __m512 g = load16(gate + c);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store16(out + c, _mm512_mul_ps(silu, load16(up + c)));
-    }
+    for (; c + 16 <= half; c += 16) store16(out + c, silu_mul16(load16(gate + c), load16(up + c)));
   }
 #endif
   for (; c < half; ++c) {

@@ -109,6 +109,13 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// silu(g) * u, as silu_and_mul computes it (and the AMX product's fused epilogue, which must
+// give the same numbers)
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(silu, u);
+}
+
 // One block of a running softmax over 16 scores, lanes outside `mask` ignored: returns
 // exp(s - max) (0 outside the mask) and sets `rescale` = exp(old max - new max), by which the
 // caller scales what it accumulated; `top` (the running max) and `total` (the running sum)

@@ -162,6 +162,45 @@ def test_a_bf16_linear_on_amx_multiplies_by_tiles(avx512):
 
 
 @needs_amx
+def test_the_fused_silu_product_gives_the_product_then_silu_and_mul(avx512):
+    """amx_linear_silu on a gate/up weight interleaved 16 by 16: bit for bit what amx_linear
+    on the weight as stored then silu_and_mul give (one row, a tile pass and past it, SmolLM2's
+    shape, no rows); an MLP's gate_up prepared on AMX takes it (half the width out), its
+    refusal of a weight whose halves do not fill its blocks, and an MLP whose do not keeps the
+    plain product."""
+    from types import SimpleNamespace
+
+    from meshserve.layers.llama import LlamaMLP
+
+    g = torch.Generator().manual_seed(4)
+    for rows, intermediate, k in ((1, 16, 64), (17, 48, 96), (40, 1536, 576), (0, 32, 64)):
+        w = torch.randn(2 * intermediate, k, generator=g).bfloat16() * 0.2
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        fused = AmxCpuMatmul(w, avx512, silu_mul=True)
+        want = avx512.ops.silu_and_mul(AmxCpuMatmul(w, avx512)(x).contiguous())
+        got = fused(x)
+        assert got.shape == (rows, intermediate) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="48 outputs are half the 64 rows"):
+        avx512.ops.amx_linear_silu(x, avx512.ops.amx_pack(torch.randn(64, 64).bfloat16()), 48)
+    plan = matmul_plan.plan_matmuls("cpu", torch.bfloat16, library=avx512)
+    tp = AxisGroup.single("tp")
+    for intermediate, fused in ((64, True), (40, False)):
+        mlp = LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=intermediate), tp, torch.bfloat16)
+        gate_up = torch.randn(2 * intermediate, 64, generator=g).bfloat16()
+        down = torch.randn(64, intermediate, generator=g).bfloat16()
+        mlp.gate_up_proj.weight.data.copy_(gate_up)
+        mlp.down_proj.weight.data.copy_(down)
+        mlp.gate_up_proj.pack_weight(plan)
+        mlp.down_proj.pack_weight(plan)
+        assert mlp.gate_up_proj.applies_silu_mul == fused
+        x = torch.randn(5, 64, generator=g).bfloat16()
+        h = F.linear(x.float(), gate_up.float())
+        want = F.linear((F.silu(h[:, :intermediate]) * h[:, intermediate:]).bfloat16().float(), down.float())
+        got = mlp(x).float()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@needs_amx
 def test_a_bf16_model_on_amx_is_as_close_to_float32_as_transformers_bf16(tiny_checkpoints):
     """The whole model's prompt logits with every product on AMX tiles (chunked too, reading
     the cache) against transformers' float32 ones: no further than transformers' own bf16

@@ -9,7 +9,8 @@ cpu backend against the torch backend, and the kernel's refusals of bad tables.
 
 Its prefill kernel against float64 causal attention per chunk: the same dtypes, head sizes
 on and off its vector paths, chunks shorter and longer than its 16-query tiles, strided
-q/k/v (views of one fused projection); and a step mixing a fresh chunk, a chunk after a
+q/k/v (views of one fused projection); in bf16 on AMX tiles where the CPU has them (chunks
+of 1 to 300 tokens, head sizes 64 to 256); and a step mixing a fresh chunk, a chunk after a
 cached prefix and a decode, through the cpu backend against the torch backend."""
 
 from __future__ import annotations
@@ -141,12 +142,49 @@ def fused_projection(tokens, heads, kv_heads, head_dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (12, 2, 64), (4, 4, 32), (6, 2, 24)])
 def test_prefill_kernel_matches_float64_causal_attention(dtype, heads, kv_heads, head_dim, two_threads, cpu_build):
+    """The vector kernel itself (the op), whichever kernel prefill_attention would pick."""
     tokens = SPANS[-1][0] + SPANS[-1][1]
     q, k, v = fused_projection(tokens, heads, kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    got = cpu_attention.prefill_attention(cpu_build, q, k, v, torch.tensor(SPANS), scale)
+    _check_prefill(cpu_build.ops.prefill_attention(q, k, v, torch.tensor(SPANS), scale), q, k, v, scale)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (12, 2, 64), (4, 4, 256)])
+@pytest.mark.parametrize("spans", [SPANS, [[0, 300]], [[0, 1], [1, 31], [32, 33]]], ids=["mixed", "long", "edges"])
+def test_amx_prefill_kernel_matches_float64_causal_attention(heads, kv_heads, head_dim, spans, two_threads):
+    """bf16 on AMX tiles (cpu_amx_attention.cpp), through prefill_attention, which picks it on
+    this CPU: chunks shorter than a 16-query tile, across 32-key blocks, longer than L1."""
+    build = cpu_library.load("avx512") if "avx512" in cpu_library.runnable_isas() else None
+    if build is None or not cpu_attention.amx_prefill_runs(build, torch.bfloat16, head_dim):
+        pytest.skip("needs AMX-BF16 (and the avx512 build)")
+    tokens = spans[-1][0] + spans[-1][1]
+    q, k, v = fused_projection(tokens, heads, kv_heads, head_dim, torch.bfloat16)
+    scale = head_dim ** -0.5
+    got = cpu_attention.prefill_attention(build, q, k, v, torch.tensor(spans), scale)
+    _check_prefill(got, q, k, v, scale, spans)
+    vector = build.ops.prefill_attention(q, k, v, torch.tensor(spans), scale)
+    assert not torch.equal(got, vector)  # the AMX kernel ran, not the vector one
+
+
+def test_amx_prefill_kernel_refuses_what_it_cannot_attend():
+    build = cpu_library.load("avx512") if "avx512" in cpu_library.runnable_isas() else None
+    if build is None or not cpu_attention.amx_prefill_runs(build, torch.bfloat16, 64):
+        pytest.skip("needs AMX-BF16 (and the avx512 build)")
+    q, k, v = fused_projection(10, 9, 3, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="q, k and v in bfloat16"):
+        build.ops.amx_prefill_attention(q, k, v, torch.tensor([[0, 10]]), 0.125)
+    q, k, v = fused_projection(10, 4, 2, 32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim 32 is not a multiple of 64"):
+        build.ops.amx_prefill_attention(q, k, v, torch.tensor([[0, 10]]), 0.125)
+    q, k, v = fused_projection(10, 9, 3, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"chunk 1 covers rows 6..12 of 10"):
+        build.ops.amx_prefill_attention(q, k, v, torch.tensor([[0, 6], [6, 6]]), 0.125)
+
+
+def _check_prefill(got, q, k, v, scale, spans=SPANS):
+    dtype = q.dtype
     assert got.shape == q.shape and got.dtype == dtype
-    for start, length in SPANS:
+    for start, length in spans:
         rows = slice(start, start + length)
         want, _ = math_attention(q[rows], k[rows], v[rows], scale, torch.ones(length, length, dtype=torch.bool).tril())
         torch.testing.assert_close(got[rows].double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
