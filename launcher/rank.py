@@ -211,7 +211,7 @@ def _follow(config, info, memory, env, groups) -> None:
 def _say_kernels(config: Config, env: RankEnv, runner: ModelRunner) -> None:
     cpu = f"CPU: {cpu_features().describe()}; " if config.device.type == "cpu" else ""
     log.info("rank %d: %s%s; %s", env.global_rank, cpu,
-             kernel_summary(runner.model.backend, runner.model.matmuls, runner.info.head_dim), runner.decode.describe())
+             kernel_summary(runner.model.backend, runner.model.matmuls, runner.info.head_dim, runner.dtype), runner.decode.describe())
 
 
 def _model_line(config: Config, info: ModelInfo, groups: Groups) -> str:

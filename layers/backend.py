@@ -101,8 +101,9 @@ class Backend:
     topk_weights) (layers/kernels/fused_moe.py); None: layers.moe groups the tokens by
     expert and multiplies each expert's in one matmul."""
 
-    def summary(self, head_dim: int) -> str:
-        """What computes attention and the norms, for the start-up line (kernel_summary)."""
+    def summary(self, head_dim: int, dtype: torch.dtype = torch.float32) -> str:
+        """What computes attention and the norms of a `dtype` model, for the start-up line
+        (kernel_summary)."""
         return f"attention, norm/act: {self.name} backend"
 
 
@@ -141,8 +142,8 @@ class ContextParallelBackend(Backend):
     def attention(self, q, k, v, kv_cache, meta: context_attention.ContextParallelMetadata, scale: float):
         return context_attention.cp_attention(q, k, v, kv_cache, meta, self.cp, scale, self.inner)
 
-    def summary(self, head_dim: int) -> str:
-        return self.inner.summary(head_dim)
+    def summary(self, head_dim: int, dtype: torch.dtype = torch.float32) -> str:
+        return self.inner.summary(head_dim, dtype)
 
 
 def resolve_backend_name(name: str, device: torch.device | str, library: CpuLibrary | None = None) -> str:
@@ -181,9 +182,9 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", libra
     return TritonBackend()
 
 
-def kernel_summary(backend: Backend, matmuls: MatmulPlan, head_dim: int) -> str:
+def kernel_summary(backend: Backend, matmuls: MatmulPlan, head_dim: int, dtype: torch.dtype = torch.float32) -> str:
     """One start-up line: what computes each op of this rank's model, as the chosen objects
     describe themselves, e.g. `matmul: C++ AVX2 on float32 weights in panels; attention: cpu
     backend, C++ paged decode (avx2 build), prefill SDPA; norm/act/rotary: C++ (avx2 build)
     in eager steps`."""
-    return f"matmul: {matmuls.describe()}; {backend.summary(head_dim)}"
+    return f"matmul: {matmuls.describe()}; {backend.summary(head_dim, dtype)}"

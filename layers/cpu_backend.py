@@ -111,8 +111,10 @@ class CpuBackend(TorchBackend):
             return activation.silu_and_mul(x)
         return self.ops.silu_and_mul(x)
 
-    def summary(self, head_dim: int) -> str:
+    def summary(self, head_dim: int, dtype: torch.dtype = torch.float32) -> str:
         build = f"{self.library.isa} build"
         prefill = f"C++ causal ({build})" if cpu_attention.prefill_fits(self.library, head_dim) else "SDPA"
+        if cpu_attention.amx_prefill_runs(self.library, dtype, head_dim):
+            prefill = f"C++ causal on AMX tiles ({build})"
         return (f"attention: cpu backend, C++ paged decode ({build}), prefill {prefill}; "
                 f"norm/act/rotary: C++ ({build}) in eager steps")

@@ -137,7 +137,10 @@ def test_the_start_up_line_names_the_build_and_the_kernels(cpu_build):
     plan = plan_matmuls("cpu", torch.float32, library=cpu_build)
     line = kernel_summary(CpuBackend(cpu_build), plan, 64)
     assert f"C++ paged decode ({isa} build)" in line and f"norm/act/rotary: C++ ({isa} build)" in line
-    assert ("prefill C++ causal" in line) == (isa == "avx512")
+    assert ("prefill C++ causal" in line) == (isa == "avx512") and "AMX tiles" not in line
+    from meshserve.layers.kernels.cpu_attention import amx_prefill_runs
+    bf16_line = kernel_summary(CpuBackend(cpu_build), plan, 64, torch.bfloat16)
+    assert ("prefill C++ causal on AMX tiles" in bf16_line) == amx_prefill_runs(cpu_build, torch.bfloat16, 64)
     if isa != "scalar":
         name = {"avx2": "AVX2", "avx512": "AVX-512"}[isa]
         assert line.startswith(f"matmul: C++ {name} on float32 weights in panels;")
