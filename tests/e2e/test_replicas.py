@@ -111,6 +111,9 @@ def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny
         for t in threads:
             t.start()
         assert all(s.wait(60) for s in started), "not every stream started"
+        # frozen at once, replica 1's streams cannot finish before the kill below (a slow
+        # /metrics under load left that window open)
+        os.kill(pids[1, 1], signal.SIGSTOP)
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         # least-loaded routing counts output too: streams that start late may tip the split
         split = samples(metrics, "meshserve_replica_requests")
