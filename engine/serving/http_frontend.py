@@ -55,7 +55,12 @@ def bind_socket(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off
+    # (TCP_NODELAY) only on accepted sockets whose proto says TCP. With it on, a stream's first
+    # event waited in the kernel for the client's ACK of the response headers, which a client
+    # in the middle of an exchange delays (Linux's delayed ACK): the first token reached the
+    # client one delayed-ACK timeout after the server sent it.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, int(port)))
