@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #define MESHSERVE_STR2(x) #x
 #define MESHSERVE_STR(x) MESHSERVE_STR2(x)
@@ -51,7 +52,6 @@ namespace {
 constexpr int64_t kBlockN = 32;  // outputs a block: two 16-column tiles
 constexpr int64_t kStepK = 32;   // inputs a k step: one tile row of bf16
 constexpr int64_t kBlockM = 32;  // x rows a pass: two 16-row tiles
-constexpr int64_t kTileElems = 16 * 32;
 constexpr int64_t kStepK8 = 64;      // int8 inputs a k step: one tile row of 64 bytes
 constexpr int64_t kTileBytes = 16 * 64;
 constexpr int32_t kZeroPoint = 128;  // of the uint8 codes of x
@@ -81,65 +81,51 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure(int rows0, int rows1
   load_tile_config(cfg);
 }
 
-// sums [32][32] = x rows (rows0 + rows1 of them, ldx apart) times one block of the weight
-__attribute__((target("amx-tile,amx-bf16"))) void block(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w,
-                                                           bool two, float* sums) {
-  const int64_t ldx = K * static_cast<int64_t>(sizeof(c10::BFloat16));
+// sums [32][32] = x rows (rows0 + rows1 of them, a row of K elements apart) times one block of
+// the weight: bf16 x and weights into float32 sums (TDPBF16PS, 32 inputs a k step), or uint8
+// codes of x and int8 weight codes into int32 sums (TDPBUSD, 64 inputs a k step). Both tile rows
+// are 64 bytes, so the loop, the tiles and the block's stream are the same.
+template <typename x_t, typename w_t, typename sum_t>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block(const x_t* x, int64_t K, const w_t* w, bool two,
+                                                                 sum_t* sums) {
+  constexpr bool kInt8 = std::is_same_v<w_t, int8_t>;
+  constexpr int64_t step = kInt8 ? kStepK8 : kStepK;  // inputs a 64-byte tile row holds
+  constexpr int64_t tile = kTileBytes / sizeof(w_t);  // elements of a 16 x 64-byte tile
+  const int64_t ldx = K * static_cast<int64_t>(sizeof(x_t));
   _tile_zero(0);
   _tile_zero(1);
   if (two) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t k = 0; k < K; k += kStepK, w += 2 * kTileElems) {
-    prefetch_ahead(w, 2 * kTileElems * sizeof(c10::BFloat16));
-    _tile_loadd(6, w, 64);
-    _tile_loadd(7, w + kTileElems, 64);
-    _tile_loadd(4, x + k, ldx);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (two) {
-      _tile_loadd(5, x + 16 * K + k, ldx);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, sums, kBlockN * sizeof(float));
-  _tile_stored(1, sums + 16, kBlockN * sizeof(float));
-  if (two) {
-    _tile_stored(2, sums + 16 * kBlockN, kBlockN * sizeof(float));
-    _tile_stored(3, sums + 16 * kBlockN + 16, kBlockN * sizeof(float));
-  }
-}
-
-// int32 sums [32][32] = uint8 codes of x rows (rows0 + rows1, ldx bytes apart) times one block
-// of int8 weight codes, 64 inputs a k step
-__attribute__((target("amx-tile,amx-int8"))) void block_s8(const uint8_t* x, int64_t K, const int8_t* w, bool two,
-                                                              int32_t* sums) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (two) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t k = 0; k < K; k += kStepK8, w += 2 * kTileBytes) {
+  for (int64_t k = 0; k < K; k += step, w += 2 * tile) {
     prefetch_ahead(w, 2 * kTileBytes);
     _tile_loadd(6, w, 64);
-    _tile_loadd(7, w + kTileBytes, 64);
-    _tile_loadd(4, x + k, K);
-    _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 4, 7);
+    _tile_loadd(7, w + tile, 64);
+    _tile_loadd(4, x + k, ldx);
+    if constexpr (kInt8) {
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
     if (two) {
-      _tile_loadd(5, x + 16 * K + k, K);
-      _tile_dpbusd(2, 5, 6);
-      _tile_dpbusd(3, 5, 7);
+      _tile_loadd(5, x + 16 * K + k, ldx);
+      if constexpr (kInt8) {
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+      } else {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
-  _tile_stored(0, sums, kBlockN * sizeof(int32_t));
-  _tile_stored(1, sums + 16, kBlockN * sizeof(int32_t));
+  _tile_stored(0, sums, kBlockN * sizeof(sum_t));
+  _tile_stored(1, sums + 16, kBlockN * sizeof(sum_t));
   if (two) {
-    _tile_stored(2, sums + 16 * kBlockN, kBlockN * sizeof(int32_t));
-    _tile_stored(3, sums + 16 * kBlockN + 16, kBlockN * sizeof(int32_t));
+    _tile_stored(2, sums + 16 * kBlockN, kBlockN * sizeof(sum_t));
+    _tile_stored(3, sums + 16 * kBlockN + 16, kBlockN * sizeof(sum_t));
   }
 }
 
@@ -176,18 +162,18 @@ void store_block(const float* sums, int rows, int64_t cols, float* y, int64_t ld
 #endif
 
 #if defined(MESHSERVE_AMX)
-// y [M, out_features] = x2 [M, K] times the packed weight's `blocks` blocks, in out_t; with
-// kSilu, silu(gate) * up of each block's two halves (out_features = 16 a block).
-template <typename out_t, bool kSilu = false>
-void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_features, at::Tensor& y) {
-  const int64_t M = x2.size(0), K = x2.size(1), blocks = packed.size(0);
-  const auto* xp = x2.data_ptr<c10::BFloat16>();
-  const auto* wp = packed.data_ptr<c10::BFloat16>();
-  auto* yp = y.data_ptr<out_t>();
-  // the blocks a chunk of weights that stays in L2 while every row block of x passes
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kBlockN * static_cast<int64_t>(sizeof(c10::BFloat16))));
+// visit(m0, rows, b, sums) for every pair of a block of up to 32 rows of x from m0 and a block b
+// of the weight, after `block` has put their sums in `sums`. Threads split the weight's blocks;
+// a thread's blocks go in chunks of `chunk_bytes` of weights, each kept in L1/L2 while every row
+// block passes, so a prefill reads the weight once. The tiles are configured per row count.
+template <typename x_t, typename w_t, typename Visit>
+void for_each_block(const x_t* x, int64_t M, int64_t K, const w_t* w, int64_t blocks, int64_t chunk_bytes,
+                    const Visit& visit) {
+  using sum_t = std::conditional_t<std::is_same_v<w_t, int8_t>, int32_t, float>;
+  const int64_t block_elems = K * kBlockN;
+  const int64_t chunk = std::max<int64_t>(1, chunk_bytes / (block_elems * static_cast<int64_t>(sizeof(w_t))));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kBlockM * kBlockN];
+    alignas(64) sum_t sums[kBlockM * kBlockN];
     int configured = 0;
     for (int64_t first = begin; first < end; first += chunk) {
       const int64_t last = std::min(end, first + chunk);
@@ -198,80 +184,69 @@ void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_featur
           configured = rows;
         }
         for (int64_t b = first; b < last; ++b) {
-          constexpr int64_t outputs = kSilu ? kBlockN / 2 : kBlockN;
-          const int64_t n0 = b * outputs, cols = std::min(outputs, out_features - n0);
-          if (cols > 0) {
-            block(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
-            if constexpr (kSilu)
-              store_silu_block(sums, rows, yp + m0 * out_features + n0, out_features);
-            else
-              store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
-          }
+          block(x + m0 * K, K, w + b * block_elems, rows > 16, sums);
+          visit(m0, rows, b, static_cast<const sum_t*>(sums));
         }
       }
     }
     if (configured) release_tiles();
   });
 }
-#endif
 
-#if defined(MESHSERVE_AMX)
+// y [M, out_features] = x2 [M, K] times the packed weight's `blocks` blocks, in out_t; with
+// kSilu, silu(gate) * up of each block's two halves (out_features = 16 a block).
+template <typename out_t, bool kSilu = false>
+void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_features, at::Tensor& y) {
+  auto* yp = y.data_ptr<out_t>();
+  constexpr int64_t outputs = kSilu ? kBlockN / 2 : kBlockN;  // of y, a block
+  for_each_block(x2.data_ptr<c10::BFloat16>(), x2.size(0), x2.size(1), packed.data_ptr<c10::BFloat16>(),
+                 packed.size(0), kChunkBytes, [&](int64_t m0, int rows, int64_t b, const float* sums) {
+                   const int64_t n0 = b * outputs, cols = std::min(outputs, out_features - n0);
+                   if (cols <= 0) return;
+                   if constexpr (kSilu)
+                     store_silu_block(sums, rows, yp + m0 * out_features + n0, out_features);
+                   else
+                     store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
+                 });
+}
+
 // y [M, out_features] = ((codes [M, K] times the packed int8 weight) - 128 w_sums) x_scale
-// w_scale, in scalar_t; multiply's order and split.
+// w_scale, in scalar_t.
 template <typename scalar_t>
 void multiply_s8(const at::Tensor& codes, const at::Tensor& x_scale, const at::Tensor& packed,
                  const at::Tensor& w_scale, const at::Tensor& w_sums, int64_t out_features, at::Tensor& y) {
-  const int64_t M = codes.size(0), K = codes.size(1), blocks = packed.size(0);
-  const auto* xp = codes.data_ptr<uint8_t>();
-  const auto* wp = packed.data_ptr<int8_t>();
   const float* xs = x_scale.data_ptr<float>();
   const float* ws = w_scale.data_ptr<float>();
   const int32_t* sums_w = w_sums.data_ptr<int32_t>();
   auto* yp = y.data_ptr<scalar_t>();
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kBlockN));
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) int32_t sums[kBlockM * kBlockN];
-    int configured = 0;
-    for (int64_t first = begin; first < end; first += chunk) {
-      const int64_t last = std::min(end, first + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
-        const int rows = static_cast<int>(std::min(kBlockM, M - m0));
-        if (rows != configured) {
-          configure(std::min(16, rows), std::max(0, rows - 16));
-          configured = rows;
-        }
-        for (int64_t b = first; b < last; ++b) {
-          const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
-          if (cols <= 0) continue;
-          block_s8(xp + m0 * K, K, wp + b * K * kBlockN, rows > 16, sums);
-          if (cols == kBlockN) {
-            // the zero point's share and the weights' scales of the block's 32 columns, once
-            const __m512i zero = _mm512_set1_epi32(kZeroPoint);
-            const __m512i off0 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0), zero);
-            const __m512i off1 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0 + 16), zero);
-            const __m512 ws0 = _mm512_loadu_ps(ws + n0), ws1 = _mm512_loadu_ps(ws + n0 + 16);
-            for (int m = 0; m < rows; ++m) {
-              const int32_t* s = sums + m * kBlockN;
-              scalar_t* out = yp + (m0 + m) * out_features + n0;
-              const __m512 by = _mm512_set1_ps(xs[m0 + m]);
-              const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(s), off0));
-              const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(s + 16), off1));
-              store16(out, _mm512_mul_ps(_mm512_mul_ps(y0, by), ws0));
-              store16(out + 16, _mm512_mul_ps(_mm512_mul_ps(y1, by), ws1));
-            }
-            continue;
-          }
-          for (int m = 0; m < rows; ++m) {
-            const int32_t* s = sums + m * kBlockN;
-            scalar_t* out = yp + (m0 + m) * out_features + n0;
-            const float by = xs[m0 + m];
-            for (int64_t j = 0; j < cols; ++j)
-              out[j] = static_cast<scalar_t>(static_cast<float>(s[j] - kZeroPoint * sums_w[n0 + j]) * by * ws[n0 + j]);
-          }
-        }
+  for_each_block(codes.data_ptr<uint8_t>(), codes.size(0), codes.size(1), packed.data_ptr<int8_t>(), packed.size(0),
+                 kChunkBytes, [&](int64_t m0, int rows, int64_t b, const int32_t* sums) {
+    const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
+    if (cols <= 0) return;
+    if (cols == kBlockN) {
+      // the zero point's share and the weights' scales of the block's 32 columns, once
+      const __m512i zero = _mm512_set1_epi32(kZeroPoint);
+      const __m512i off0 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0), zero);
+      const __m512i off1 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0 + 16), zero);
+      const __m512 ws0 = _mm512_loadu_ps(ws + n0), ws1 = _mm512_loadu_ps(ws + n0 + 16);
+      for (int m = 0; m < rows; ++m) {
+        const int32_t* s = sums + m * kBlockN;
+        scalar_t* out = yp + (m0 + m) * out_features + n0;
+        const __m512 by = _mm512_set1_ps(xs[m0 + m]);
+        const __m512 y0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(s), off0));
+        const __m512 y1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(s + 16), off1));
+        store16(out, _mm512_mul_ps(_mm512_mul_ps(y0, by), ws0));
+        store16(out + 16, _mm512_mul_ps(_mm512_mul_ps(y1, by), ws1));
       }
+      return;
     }
-    if (configured) release_tiles();
+    for (int m = 0; m < rows; ++m) {
+      const int32_t* s = sums + m * kBlockN;
+      scalar_t* out = yp + (m0 + m) * out_features + n0;
+      const float by = xs[m0 + m];
+      for (int64_t j = 0; j < cols; ++j)
+        out[j] = static_cast<scalar_t>(static_cast<float>(s[j] - kZeroPoint * sums_w[n0 + j]) * by * ws[n0 + j]);
+    }
   });
 }
 #endif
