@@ -56,9 +56,13 @@ class LinearBase(nn.Module):
         """After loading: multiply by what the plan's kernel for the layers' linears prepares
         (a quantized, packed or panelled copy), which replaces the stored weight, freed."""
         if self.packed is None:
-            self.packed = self.kernel(plan).prepare(self.weight)
-            if self.packed is not None:
-                self.weight.data = self.weight.data.new_empty(0)
+            self._replace_weight(self.kernel(plan).prepare(self.weight))
+
+    def _replace_weight(self, product) -> None:
+        """Multiply by `product` (None: the weight as stored), freeing the stored weight."""
+        self.packed = product
+        if product is not None:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T (no bias)."""
@@ -114,8 +118,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if self.packed is None and self.may_fuse_silu_mul:
             fused = self.kernel(plan).silu_mul_product(self.weight)
             if fused is not None:
-                self.packed, self.applies_silu_mul = fused, True
-                self.weight.data = self.weight.data.new_empty(0)
+                self._replace_weight(fused)
+                self.applies_silu_mul = True
                 return
         super().pack_weight(plan)
 

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_prefill_chunks.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -182,30 +183,18 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend(const Task& t, Rows qs,
 
 at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& chunks, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
-              "amx_prefill_attention: q (tokens, heads, head_dim), k and v (tokens, kv_heads, head_dim)");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
-              "amx_prefill_attention: q and k must have the same tokens and head_dim, and q's heads be a multiple "
-              "of k's");
+  const at::Tensor spans = meshserve_cpu::checked_prefill_chunks(q, k, v, chunks);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
               "amx_prefill_attention: q, k and v in bfloat16");
   TORCH_CHECK(q.size(2) % kDims == 0 && q.size(2) <= 256, "amx_prefill_attention: head_dim ", q.size(2),
               " is not a multiple of ", kDims, " up to 256");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
-              "amx_prefill_attention: q, k, v need a contiguous head_dim");
-  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 2 && chunks.scalar_type() == at::kLong,
-              "chunks is (n, 2) int64: each chunk's first row and length");
-  const at::Tensor spans = chunks.contiguous();
   const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t n = spans.size(0), tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), D = q.size(2);
   const int64_t group = heads / kv_heads;
   std::vector<int64_t> padded_start(n + 1, 0);  // each chunk's first key in the packed buffers
   for (int64_t c = 0; c < n; ++c) {
-    const int64_t start = span[2 * c], len = span[2 * c + 1];
-    TORCH_CHECK(start >= 0 && len >= 1 && start + len <= tokens, "chunk ", c, " covers rows ", start, "..",
-                start + len, " of ", tokens);
-    padded_start[c + 1] = padded_start[c] + (len + kBlock - 1) / kBlock * kBlock;
+    padded_start[c + 1] = padded_start[c] + (span[2 * c + 1] + kBlock - 1) / kBlock * kBlock;
   }
   at::Tensor out = at::empty({tokens, heads, D}, q.options());
 #if defined(MESHSERVE_AMX)

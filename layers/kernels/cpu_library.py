@@ -53,7 +53,7 @@ KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE_NAMES = ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp",
                 "cpu_sample.cpp", "cpu_dense_linear.cpp", "cpu_decode_layers.cpp", "cpu_amx_linear.cpp",
                 "cpu_amx_attention.cpp")
-HEADER_NAMES = ("cpu_vec.h", "cpu_amx.h")
+HEADER_NAMES = ("cpu_vec.h", "cpu_amx.h", "cpu_prefill_chunks.h")
 SOURCES = [KERNEL_DIR / name for name in SOURCE_NAMES]
 
 ISA_CFLAGS = {

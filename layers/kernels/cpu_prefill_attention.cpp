@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_prefill_chunks.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -145,24 +146,14 @@ void attend_rows(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& chunks,
                              double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
-              "q (tokens, heads, head_dim), k and v (tokens, kv_heads, head_dim)");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
-              "q and k must have the same tokens and head_dim, and q's heads be a multiple of k's");
+  const at::Tensor spans = meshserve_cpu::checked_prefill_chunks(q, k, v, chunks);
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v share a dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need a contiguous head_dim");
-  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 2 && chunks.scalar_type() == at::kLong,
-              "chunks is (n, 2) int64: each chunk's first row and length");
-  const at::Tensor spans = chunks.contiguous();
   const int64_t* span = spans.data_ptr<int64_t>();
   const int64_t n = spans.size(0), tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
   const int64_t group = heads / kv_heads;
   std::vector<int64_t> task_chunk, task_first;  // one task per (chunk, 16-query tile); KV heads below
   for (int64_t c = 0; c < n; ++c) {
-    const int64_t start = span[2 * c], len = span[2 * c + 1];
-    TORCH_CHECK(start >= 0 && len >= 1 && start + len <= tokens, "chunk ", c, " covers rows ", start, "..",
-                start + len, " of ", tokens);
-    for (int64_t first = 0; first < len; first += kTile) {
+    for (int64_t first = 0; first < span[2 * c + 1]; first += kTile) {
       task_chunk.push_back(c);
       task_first.push_back(first);
     }
