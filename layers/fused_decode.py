@@ -4,11 +4,14 @@ loop of layers/llama.py, without the many op calls a layer makes from Python aro
 large share of a small model's step at batch 1).
 
 It takes the layers where each op is one of meshserve's C++ kernels: the Llama attention and
-MLP as they are (no QKV bias, no per-head norm, no experts), every product meshserve's own
-on a weight in its panels (layers/matmul.py DenseCpuMatmul: the avx2 and avx512 builds, float32
-or bf16, no quantization) or all its AMX product on bf16 weights (AmxCpuMatmul, where the CPU
-has AMX-BF16, gate/up with the activation fused into it), one tensor-parallel rank (no all-reduce between the layers), and a
-cache in the activations' dtype (an int8 cache's rows are quantized in the Python path).
+MLP as they are (no QKV bias, no per-head norm, no experts), one tensor-parallel rank (no
+all-reduce between the layers), a cache in the activations' dtype or int8 (its rows quantized
+by the Python path's kernel), and every product one kind of meshserve's own:
+- "panels": a weight in its panels (layers/matmul.py DenseCpuMatmul: the avx2 and avx512
+  builds, float32 or bf16, no quantization);
+- "amx": its AMX product on bf16 weights (AmxCpuMatmul, where the CPU has AMX-BF16, gate/up
+  with the activation fused into it);
+- "w8a8": its AMX int8 product (layers/quant.py AmxW8A8, where the CPU has AMX-INT8).
 """
 
 from __future__ import annotations
@@ -20,40 +23,46 @@ from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.llama import LlamaAttention, LlamaMLP
 from meshserve.layers.matmul import AmxCpuMatmul, DenseCpuMatmul
 from meshserve.layers.norm import RMSNorm
+from meshserve.layers.quant import W8A8Matmul
 
 
 class FusedDecodeLayers:
     """Runs `layers` (one stage's LlamaDecoderLayers) over a decode-only step."""
 
     def __init__(self, layers, num_heads: int, num_kv_heads: int, eps: float, scale: float, library: CpuLibrary):
-        self.amx = isinstance(layers[0].self_attn.qkv_proj.packed, AmxCpuMatmul)
+        self.product = _product_kind(layers[0].self_attn.qkv_proj.packed)
         self.weights = [w for layer in layers for w in _layer_weights(layer)]
         self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
         self.op = library.ops.decode_layers
 
     def runs(self, kv_caches, meta) -> bool:
         """Whether this step can take the fused call: eager, decode-only, a cache in the
-        activations' dtype."""
+        activations' dtype (the norm weight's) or int8."""
         return (meta.decode_only and not torch.compiler.is_compiling() and bool(kv_caches)
-                and kv_caches[0][0].dtype == self.weights[0].dtype)
+                and kv_caches[0][0].dtype in (self.weights[0].dtype, torch.int8))
 
     def __call__(self, rope, hidden, residual, kv_caches, meta):
         cos, sin = rope
         return self.op(hidden.contiguous(), residual, self.weights, [k for k, _ in kv_caches],
                        [v for _, v in kv_caches], cos.contiguous(), sin.contiguous(), meta.slot_mapping,
                        meta.decode_block_tables, meta.decode_lens, self.eps, self.scale, self.num_heads,
-                       self.num_kv_heads, self.amx)
+                       self.num_kv_heads, self.product)
 
 
 def _layer_weights(layer) -> list[torch.Tensor]:
     attn, mlp = layer.self_attn, layer.mlp
-    return [layer.input_layernorm.weight, _product_weight(attn.qkv_proj), _product_weight(attn.o_proj),
-            layer.post_attention_layernorm.weight, _product_weight(mlp.gate_up_proj), _product_weight(mlp.down_proj)]
+    return [layer.input_layernorm.weight, *_product_tensors(attn.qkv_proj), *_product_tensors(attn.o_proj),
+            layer.post_attention_layernorm.weight, *_product_tensors(mlp.gate_up_proj),
+            *_product_tensors(mlp.down_proj)]
 
 
-def _product_weight(linear) -> torch.Tensor:
-    """The weight as the fused call's product takes it: DenseCpuMatmul's panels, AMX's tiles."""
-    return linear.packed.packed if isinstance(linear.packed, AmxCpuMatmul) else linear.packed.weight
+def _product_tensors(linear) -> list[torch.Tensor]:
+    """The product's tensors as the fused call takes them: DenseCpuMatmul's panels, the bf16
+    tiles of AmxCpuMatmul, AmxW8A8's int8 tiles with each output's scale and code sum."""
+    product = linear.packed
+    if isinstance(product, W8A8Matmul):
+        return [product.amx.packed, product.amx.scale, product.amx.sums]
+    return [product.packed if isinstance(product, AmxCpuMatmul) else product.weight]
 
 
 def _products(layer) -> set[str | None]:
@@ -75,11 +84,13 @@ def _products(layer) -> set[str | None]:
 
 
 def _product_kind(product) -> str | None:
-    """Which of the fused call's products `product` is: "panels", "amx", or None (neither)."""
+    """Which of the fused call's products `product` is: "panels", "amx", "w8a8", or None (none)."""
     if isinstance(product, DenseCpuMatmul):
         return "panels"
     if isinstance(product, AmxCpuMatmul) and not product.float_out:
         return "amx"
+    if isinstance(product, W8A8Matmul) and product.amx is not None:
+        return "w8a8"
     return None
 
 

@@ -1,7 +1,7 @@
 // decode_layers(hidden, residual, weights, k_caches, v_caches, cos, sin, slots, block_tables,
-// seq_lens, eps, scale, heads, kv_heads, amx) -> (hidden, residual): a run of Llama decoder layers
-// (RMSNorm, fused QKV, rotary, paged attention, o_proj, RMSNorm, fused gate/up, SiLU-and-mul,
-// down) over a decode-only step of one rank, in one call.
+// seq_lens, eps, scale, heads, kv_heads, product) -> (hidden, residual): a run of Llama decoder
+// layers (RMSNorm, fused QKV, rotary, paged attention, o_proj, RMSNorm, fused gate/up,
+// SiLU-and-mul, down) over a decode-only step of one rank, in one call.
 //
 // Each layer is what layers/llama.py computes with the cpu backend in an eager step, with the
 // same kernels of this library in the same order: the results are those of the Python loop.
@@ -9,15 +9,20 @@
 // the dispatcher, plus the modules' calls, views and the KV stores' index_copy), a share of a
 // small model's step at batch 1 that scripts/profile_step.py shows. The ops are called through
 // the dispatcher from C++, far cheaper than from Python; the new K/V rows are copied into
-// their cache slots here.
+// their cache slots here (an int8 cache's rows quantized first by quantize_kv_int8, as the
+// Python path stores them).
 //
-// `weights`: per layer, in order, the input norm's weight, the QKV weight [(heads + 2 *
-// kv_heads) * head_dim, hidden], the o weight, the post-attention norm's weight, the gate/up
-// weight [2 * intermediate, hidden] and the down weight, all as dense_linear takes them, or
-// with `amx` all as amx_linear takes them (amx_pack's tile order; the outputs of each follow
-// from the heads, the norm's width and the down weight's inputs), gate/up as amx_linear_silu
-// takes it (rows interleaved 16 by 16: its product gives silu(gate) * up).
-// `residual` none: the first layer's input is the embedding (the residual is the input).
+// `product` names the kind of every linear's product, and so what `weights` holds: per layer,
+// in order, the input norm's weight, the QKV product [(heads + 2 * kv_heads) * head_dim
+// outputs], the o product, the post-attention norm's weight, the gate/up product [2 *
+// intermediate outputs] and the down product, each product as its kernel takes it:
+// - "panels": one weight as dense_linear takes it;
+// - "amx": one weight as amx_linear takes it (amx_pack's tile order), gate/up as
+//   amx_linear_silu takes it (rows interleaved 16 by 16: its product gives silu(gate) * up);
+// - "w8a8": three tensors as amx_w8a8_linear takes them (amx_pack_s8's codes, each output's
+//   float32 scale and int32 code sum).
+// The outputs of each product follow from the heads, the norm's width and the down weight's
+// inputs. `residual` none: the first layer's input is the embedding (the residual is the input).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -42,6 +47,18 @@ c10::TypedOperatorHandle<F> library_op(const char* name) {
 }
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
+
+constexpr int64_t kScaleBytes = 4;  // the float32 scale after an int8 cache row's codes
+
+// The linears' product: dense_linear's panels, amx_linear's bf16 tiles, amx_w8a8_linear's int8 tiles.
+enum class Product { kPanels, kAmx, kW8A8 };
+
+Product product_kind(c10::string_view name) {
+  if (name == "panels") return Product::kPanels;
+  if (name == "amx") return Product::kAmx;
+  TORCH_CHECK(name == "w8a8", "decode_layers: product \"", name, "\" is none of panels, amx, w8a8");
+  return Product::kW8A8;
+}
 
 // rows (tokens, kv_heads, head_dim) with contiguous tokens' rows -> the cache's slots
 void store_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slots) {
@@ -78,14 +95,26 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::TensorList weights,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
-                   double scale, int64_t heads, int64_t kv_heads, bool amx) {
+                   double scale, int64_t heads, int64_t kv_heads, c10::string_view product_name) {
   static const auto dense = library_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("dense_linear");
   static const auto amx_linear = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear");
-  // x times a weight of `outputs` outputs
-  const auto product = [&](const at::Tensor& x, const at::Tensor& weight, int64_t outputs) {
-    return amx ? amx_linear.call(x, weight, outputs) : dense.call(x, weight);
+  static const auto amx_w8a8 =
+      library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>(
+          "amx_w8a8_linear");
+  const Product kind = product_kind(product_name);
+  const int64_t per_product = kind == Product::kW8A8 ? 3 : 1, per_layer = 2 + 4 * per_product;
+  // x times the product whose tensors start at `w`, of `outputs` outputs
+  const auto product = [&](const at::Tensor& x, const at::Tensor* w, int64_t outputs) {
+    switch (kind) {
+      case Product::kAmx:
+        return amx_linear.call(x, w[0], outputs);
+      case Product::kW8A8:
+        return amx_w8a8.call(x, w[0], w[1], w[2], outputs);
+      default:
+        return dense.call(x, w[0]);
+    }
   };
-  constexpr int64_t kAmxBlock = 32;  // outputs an amx_pack block holds
+  constexpr int64_t kAmxBlock = 32;  // outputs an amx_pack / amx_pack_s8 block holds
   static const auto norm =
       library_op<Pair(const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&)>("rms_norm");
   static const auto rotary =
@@ -96,11 +125,13 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
   static const auto silu_and_mul = library_op<at::Tensor(const at::Tensor&)>("silu_and_mul");
   static const auto amx_linear_silu =
       library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear_silu");
+  static const auto quantize_kv = library_op<at::Tensor(const at::Tensor&)>("quantize_kv_int8");
 
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers && static_cast<int64_t>(v_caches.size()) == layers,
-              "decode_layers: 6 weights and a K and V cache per layer, got ", weights.size(), " weights for ", layers,
-              " K caches and ", v_caches.size(), " V caches");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * layers &&
+                  static_cast<int64_t>(v_caches.size()) == layers,
+              "decode_layers: ", per_layer, " weights (", product_name, " products) and a K and V cache per layer, got ",
+              weights.size(), " weights for ", layers, " K caches and ", v_caches.size(), " V caches");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be contiguous (tokens, hidden)");
   const int64_t tokens = hidden.size(0);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
@@ -110,17 +141,21 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
   const int64_t* slot = slots.data_ptr<int64_t>();
   at::Tensor x = hidden, res = residual.value_or(at::Tensor());
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + 6 * l;
+    const at::Tensor* w = weights.data() + per_layer * l;
+    const at::Tensor *qkv_w = w + 1, *o_w = w + 1 + per_product, *gate_up_w = w + 2 + 2 * per_product,
+                     *down_w = w + 2 + 3 * per_product;
     const at::Tensor& k_cache = k_caches[l];
     const at::Tensor& v_cache = v_caches[l];
-    const int64_t dim = k_cache.size(3), slots_total = k_cache.size(0) * k_cache.size(1), qkv_out = (heads + 2 * kv_heads) * dim;
-    const int64_t width = w[0].size(0), intermediate = amx ? w[5].size(1) / kAmxBlock : 0;
-    TORCH_CHECK((amx ? w[1].size(0) * kAmxBlock >= qkv_out : w[1].size(0) == qkv_out) && k_cache.size(2) == kv_heads &&
-                    k_cache.scalar_type() == hidden.scalar_type() && k_cache.is_contiguous() &&
-                    v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
-                    v_cache.scalar_type() == hidden.scalar_type(),
+    const bool int8 = k_cache.scalar_type() == at::kChar;
+    const int64_t dim = k_cache.size(3) - (int8 ? kScaleBytes : 0), slots_total = k_cache.size(0) * k_cache.size(1);
+    const int64_t qkv_out = (heads + 2 * kv_heads) * dim, width = w[0].size(0);
+    const int64_t intermediate = kind == Product::kPanels ? 0 : down_w->size(1) / kAmxBlock;
+    TORCH_CHECK((kind == Product::kPanels ? qkv_w->size(0) == qkv_out : qkv_w->size(0) * kAmxBlock >= qkv_out) &&
+                    k_cache.size(2) == kv_heads && (int8 || k_cache.scalar_type() == hidden.scalar_type()) &&
+                    k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
                 "decode_layers: layer ", l, "'s QKV weight or caches do not match ", heads, " heads, ", kv_heads,
-                " KV heads of ", dim, " in the hidden states' dtype");
+                " KV heads of ", dim, " in the hidden states' dtype or int8");
     if (l == 0)
       for (int64_t t = 0; t < tokens; ++t)
         TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "decode_layers: slot ", slot[t], " outside the cache's ",
@@ -131,18 +166,19 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
       res = x;
       x = std::get<0>(norm.call(x, w[0], eps, std::nullopt));
     }
-    const at::Tensor qkv = product(x, w[1], qkv_out);
+    const at::Tensor qkv = product(x, qkv_w, qkv_out);
     at::Tensor q = qkv.narrow(1, 0, heads * dim).view({tokens, heads, dim});
     at::Tensor k = qkv.narrow(1, heads * dim, kv_heads * dim).view({tokens, kv_heads, dim});
     const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({tokens, kv_heads, dim});
     std::tie(q, k) = rotary.call(q, k, cos, sin);
-    store_rows(k, k_cache, slot);
-    store_rows(v, v_cache, slot);
+    store_rows(int8 ? quantize_kv.call(k) : k, k_cache, slot);
+    store_rows(int8 ? quantize_kv.call(v) : v, v_cache, slot);
     const at::Tensor attended = attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
-    const at::Tensor o = product(attended.view({tokens, heads * dim}), w[2], width);
-    std::tie(x, res) = norm.call(o, w[3], eps, res);
-    x = amx ? amx_linear_silu.call(x, w[4], intermediate) : silu_and_mul.call(product(x, w[4], 2 * intermediate));
-    x = product(x, w[5], width);
+    const at::Tensor o = product(attended.view({tokens, heads * dim}), o_w, width);
+    std::tie(x, res) = norm.call(o, w[1 + 2 * per_product], eps, res);
+    x = kind == Product::kAmx ? amx_linear_silu.call(x, gate_up_w[0], intermediate)
+                              : silu_and_mul.call(product(x, gate_up_w, 2 * intermediate));
+    x = product(x, down_w, width);
   }
   return {x, res};
 }
@@ -152,7 +188,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, float eps, float scale, "
-        "int heads, int kv_heads, bool amx) -> (Tensor, Tensor)");
+        "int heads, int kv_heads, str product) -> (Tensor, Tensor)");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 

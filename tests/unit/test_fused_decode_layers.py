@@ -2,8 +2,9 @@
 taken in the avx2 and avx512 builds where every op is one of meshserve's kernels (bf16 weights
 where meshserve's panels or its AMX tiles multiply them, not oneDNN), it gives the tokens of
 the Python loop over the layers and of transformers, alone and batched, in float32 and
-bfloat16; a later pipeline stage's input (a residual given) gives the loop's hidden states and
-cache rows; models or caches it does not cover keep the Python loop."""
+bfloat16, with the cache in the activations' dtype or int8; w8a8 on AMX's int8 tiles gives
+the loop's tokens; a later pipeline stage's input (a residual given) gives the loop's hidden
+states and cache rows; models it does not cover keep the Python loop."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.engine.offline import generate
+from support.checkpoints import make_checkpoint
 from support.engines import make_engine
 from support.reference import hf_greedy, hf_model
 
@@ -43,23 +45,24 @@ def _tokens(engine, prompts=PROMPTS, new_tokens=NEW_TOKENS):
 
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoints, dtype, isa):
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+def test_the_fused_layers_give_the_loop_s_tokens_and_transformers(tiny_checkpoints, dtype, isa, cache):
     path = tiny_checkpoints["llama"]
-    engine = make_engine(path, *AVX2, f"model.dtype={dtype}", f"device.cpu_isa={isa}")
+    engine = make_engine(path, *AVX2, f"model.dtype={dtype}", f"device.cpu_isa={isa}", f"cache.dtype={cache}")
     eager = engine.executor.runner.decode.eager
     amx = dtype == "bfloat16" and isa == "avx512" and cpu_features().amx_bf16
     if dtype == "bfloat16" and cpu_features().bf16_compute and not amx:  # bf16 products are oneDNN's there
         assert eager.fused is None and "in panels" not in engine.executor.runner.model.matmuls.describe()
         assert _tokens(engine) == [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
         return
-    assert eager.fused is not None and eager.fused.amx == amx
+    assert eager.fused is not None and eager.fused.product == ("amx" if amx else "panels")
     counting = eager.fused.op = Counting(eager.fused.op)
     alone = [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
     batched = _tokens(engine)
     assert counting.calls >= sum(NEW_TOKENS) - len(PROMPTS)  # every decode step took it
     eager.fused = None
     assert batched == alone == _tokens(engine)
-    if dtype == "float32":
+    if dtype == "float32" and cache == "auto":
         ref = hf_model(path)
         assert batched == [hf_greedy(ref, p, n) for p, n in zip(PROMPTS, NEW_TOKENS)]
 
@@ -122,10 +125,30 @@ def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tin
         torch.testing.assert_close(v, v_ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(not (cpu_features().runs("avx512") and cpu_features().amx_int8),
+                    reason="the w8a8 products' AMX int8 tiles need AMX-INT8 and the avx512 build")
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+def test_w8a8_on_amx_int8_tiles_gives_the_loop_s_tokens(tmp_path_factory, cache):
+    """The w8a8 config's products (AMX int8 tiles, three tensors a product; every linear's
+    inputs a multiple of 64, so none falls back to oneDNN) in the fused call: every decode
+    step takes it and the tokens are the Python loop's, alone and batched."""
+    path = make_checkpoint(tmp_path_factory.mktemp("w8a8") / "llama", "llama", intermediate_size=128)
+    engine = make_engine(path, *AVX2, "model.dtype=bfloat16", "model.quantization=w8a8",
+                         "device.cpu_isa=avx512", f"cache.dtype={cache}")
+    eager = engine.executor.runner.decode.eager
+    assert eager.fused is not None and eager.fused.product == "w8a8"
+    assert len(eager.fused.weights) == 14 * len(engine.executor.runner.model.model.layers)
+    counting = eager.fused.op = Counting(eager.fused.op)
+    alone = [_tokens(engine, [p], [n])[0] for p, n in zip(PROMPTS, NEW_TOKENS)]
+    batched = _tokens(engine)
+    assert counting.calls >= sum(NEW_TOKENS) - len(PROMPTS)
+    eager.fused = None
+    assert batched == alone == _tokens(engine)
+
+
 def test_what_it_does_not_cover_keeps_the_loop(tiny_checkpoints):
-    """Per-head norms (Qwen3), quantized weights and the scalar build leave the model
-    without it; an int8 cache runs the loop in each step and still gives the loop's
-    tokens."""
+    """Per-head norms (Qwen3), quantized weights other than w8a8 on AMX tiles and the scalar
+    build leave the model without it."""
     qwen3 = make_engine(tiny_checkpoints["qwen3"], *AVX2)
     assert qwen3.executor.runner.decode.eager.fused is None
     assert "eager steps: the Python layer loop" in qwen3.executor.runner.decode.describe()
@@ -133,11 +156,3 @@ def test_what_it_does_not_cover_keeps_the_loop(tiny_checkpoints):
     assert int4.executor.runner.decode.eager.fused is None
     scalar = make_engine(tiny_checkpoints["llama"], *AVX2, "device.cpu_isa=scalar")
     assert scalar.executor.runner.decode.eager.fused is None
-    int8 = make_engine(tiny_checkpoints["llama"], *AVX2, "cache.dtype=int8")
-    eager = int8.executor.runner.decode.eager
-    assert "eager steps: the layers in one C++ call" in int8.executor.runner.decode.describe()
-    counting = eager.fused.op = Counting(eager.fused.op)
-    with_it = _tokens(int8)
-    assert counting.calls == 0
-    eager.fused = None
-    assert with_it == _tokens(int8)
