@@ -121,11 +121,14 @@ class DeviceConfig(Section):
     bucket up to scheduler.max_num_seqs (meshserve.engine.decode_graphs), where the model
     runs on one pipeline stage without context or expert parallelism; false: every step
     launches its kernels one by one."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = False
     """Run decode steps through torch.compile (inductor, weights frozen): fuses the small
     ops between matmuls, for one or a few streams on CPU. Compiles for tens of seconds, in
     the background while decode steps run eagerly (see compile_wait); one rank only
-    (parallel sizes 1), device.type=cpu."""
+    (parallel sizes 1), device.type=cpu, no experts. `auto`: compile where that holds and
+    the eager decode steps do not already run the layers in one C++ call
+    (meshserve.layers.fused_decode), which on an AMX CPU serves faster than the compiled
+    step; elsewhere decode steps stay eager."""
     compile_wait: bool = False
     """With compile: true, false (the default) serves from the start, decode steps eager
     until the compiled graphs are ready; true waits for the compile before the server is

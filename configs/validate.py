@@ -206,7 +206,7 @@ def expert_problems(config: Config, info: ModelInfo) -> list[str]:
         problems.append(f"model.quantization=int4 quantizes groups of 32 inputs, but moe_intermediate_size / "
                         f"parallel.tensor = {moe.intermediate_size // p.tensor} is not a multiple of 32 "
                         f"(use model.quantization=int8)")
-    if config.device.compile:
+    if config.device.compile is True:
         problems.append(f"device.compile=true with the experts of {info.architecture}: which experts run depends on "
                         f"the data, which the compiled decode step cannot trace (set device.compile=false)")
     return problems
@@ -329,7 +329,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
     problems += speculative_problems(config, info)
     problems += disaggregation_problems(config)
     problems += expert_problems(config, info)
-    if config.device.compile and (config.device.type != "cpu" or config.world_size > 1):
+    if config.device.compile is True and (config.device.type != "cpu" or config.world_size > 1):
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "
                         f"parallel.context={config.parallel.context}): collectives are not traced")

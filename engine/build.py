@@ -42,10 +42,20 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
     device_cfg = config.device
     return ModelRunner(info, memory, groups, device, show_progress=show_progress,
                        layer_counts=stage_layers(config, info), kernels=device_cfg.kernels, cpu_isa=device_cfg.cpu_isa,
-                       compile_decode=device_cfg.compile, calibration=calibration_ids(config, info, tokenizer),
+                       compile_decode=decode_compile(config, info), calibration=calibration_ids(config, info, tokenizer),
                        expert_exchange=config.parallel.expert_exchange,
                        decode_graphs=config.scheduler.max_num_seqs if uses_decode_graphs(config) else 0,
                        compile_in_background=not device_cfg.compile_wait)
+
+
+def decode_compile(config: Config, info: ModelInfo) -> bool | str:
+    """device.compile as the runner takes it: `auto` stays `auto` (the runner decides by its
+    eager path) only where a compile can run, one CPU rank of a model without experts
+    (configs/validate.py refuses `true` elsewhere); there it is False."""
+    setting = config.device.compile
+    if setting == "auto" and (config.device.type != "cpu" or config.world_size > 1 or info.moe is not None):
+        return False
+    return setting
 
 
 def uses_decode_graphs(config: Config) -> bool:

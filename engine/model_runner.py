@@ -21,6 +21,7 @@ from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.speculative.verify import accept
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
+from meshserve.layers.fused_decode import fused_decode_layers
 from meshserve.layers import prompt_logprobs
 from meshserve.layers.host_memory import zeros_on_touch
 from meshserve.layers.kernels import cpu_library
@@ -92,12 +93,13 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, info: ModelInfo, memory: MemoryPlan, groups: Groups, device: str = "cpu",
                  sampler_seed: int | None = None, show_progress: bool = False,
-                 layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool = False,
+                 layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool | str = False,
                  calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
                  decode_graphs: int = 0, compile_in_background: bool = False):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
-        steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses).
+        steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses);
+        "auto": only where the eager steps do not run the fused C++ layers.
         `calibration`: token ids w8a8 calibrates on (engine/calibration.py). `cpu_isa`: the
         build of the C++ CPU kernels (device.cpu_isa: auto | avx512 | avx2 | scalar).
         `expert_exchange`: parallel.expert_exchange (layers.moe). `decode_graphs`: the
@@ -127,6 +129,8 @@ class ModelRunner:
         int8 = memory.kv_dtype == "int8"
         shape = (memory.num_blocks, memory.block_size, heads, kv_quant.row_length(info.head_dim) if int8 else info.head_dim)
         cache_dtype = torch.int8 if int8 else self.dtype
+        if compile_decode == "auto":  # the fused layers serve faster than the compiled step (README, AMX)
+            compile_decode = self.device.type == "cpu" and fused_decode_layers(self.model) is None
         if decode_graphs or compile_decode:
             shape = (shape[0] + 1, *shape[1:])  # block num_blocks: the graphs' or the warm-up's scratch
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.

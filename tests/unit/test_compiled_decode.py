@@ -1,6 +1,7 @@
 """device.compile: decode steps through torch.compile give what the eager model and
 transformers give, for one stream, a batch, a block table one block wide and short and
-long contexts, with int4 and w8a8 weights too; and no step needs a recompile after warm-up."""
+long contexts, with int4 and w8a8 weights too; and no step needs a recompile after warm-up.
+device.compile=auto compiles only where the eager steps are not the fused C++ layers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs import ConfigError, load_config
+from meshserve.configs.cpu_features import cpu_features
 from meshserve.configs.validate import check_config
+from meshserve.engine.build import decode_compile
 from meshserve.engine.offline import generate
 from support.cpu import needs_vnni
 from support.engines import make_engine
@@ -59,6 +62,7 @@ def test_the_background_compile_serves_eagerly_then_switches_to_the_graphs(tiny_
 
 @pytest.mark.parametrize("quantization", ["int4", pytest.param("w8a8", marks=needs_vnni)])
 def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, quantization):
+    """device.compile=auto compiles here: the torch backend's eager steps are the Python loop."""
     path = tiny_checkpoints["llama-untied"]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in NEW_TOKENS]
     # NOTE: w8a8 rounds each activation to 8 bits, so a 1e-7 difference between the cpu
@@ -66,7 +70,7 @@ def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, 
     # logprob by ~1e-2; the torch backend's eager ops are the graph's, which isolates compile.
     settings = [f"model.quantization={quantization}", "model.dtype=float32", "device.kernels=torch"]
     eager = generate(make_engine(path, *settings), PROMPTS, params)
-    engine = make_engine(path, *settings, "device.compile=true")
+    engine = make_engine(path, *settings, "device.compile=auto")
     compiled = generate(engine, PROMPTS, params)
     assert [c.token_ids for c in compiled] == [c.token_ids for c in eager]
     for a, b in zip(compiled, eager):
@@ -75,10 +79,23 @@ def test_compiled_decode_with_quantized_weights_matches_eager(tiny_checkpoints, 
     assert engine.executor.runner.decode.compiled.steps > 0 and engine.executor.runner.decode.compiled.eager_steps == 0
 
 
-def test_compile_is_refused_with_several_ranks(tiny_checkpoints):
+def test_compile_is_refused_with_several_ranks_and_auto_stays_eager_there(tiny_checkpoints):
     with pytest.raises(ConfigError, match=r"device.compile=true runs on one CPU rank; here device.type=cpu and 2 ranks"):
         check_config(load_config(None, [f"model.path={tiny_checkpoints['llama']}", "device.compile=true",
                                         "parallel.tensor=2"]))
+    config = load_config(None, [f"model.path={tiny_checkpoints['llama']}", "device.compile=auto", "parallel.tensor=2"])
+    assert decode_compile(config, check_config(config)) is False
+
+
+@pytest.mark.skipif(not any(cpu_features().runs(isa) for isa in ("avx512", "avx2")),
+                    reason="the fused C++ layers are the vector builds'")
+def test_auto_leaves_the_fused_layers_uncompiled(tiny_checkpoints):
+    """device.compile=auto where the eager steps run the layers in one C++ call: nothing
+    compiles (they serve faster than the compiled step), and the start-up line says so."""
+    engine = make_engine(tiny_checkpoints["llama"], "device.compile=auto", "device.compile_wait=false")
+    decode = engine.executor.runner.decode
+    assert decode.eager.fused is not None and decode.compiled is None and decode.compile_thread is None
+    assert decode.describe() == "decode: eager steps: the layers in one C++ call"
 
 
 def test_a_step_no_graph_fits_runs_eagerly(tiny_checkpoints):

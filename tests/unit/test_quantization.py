@@ -270,8 +270,9 @@ def test_the_memory_plan_counts_what_an_int4_matmul_holds(tiny_checkpoints, monk
         0 if bf16_compute else info.num_hidden_layers * info.layer_parameters * (0.5 + 0.25), abs=1)
 
 
-@pytest.mark.parametrize("name,quantization", [("smollm2-cpu-int4.yaml", "int4"), ("smollm2-cpu-w8a8.yaml", "w8a8")])
-def test_cpu_quantized_example_configs_validate(name, quantization):
+@pytest.mark.parametrize("name,quantization,compile", [("smollm2-cpu-int4.yaml", "int4", True),
+                                                        ("smollm2-cpu-w8a8.yaml", "w8a8", "auto")])
+def test_cpu_quantized_example_configs_validate(name, quantization, compile):
     path = Path(__file__).resolve().parents[2] / "configs" / name
     config = load_config(path)
     if quantization == "w8a8" and not cpu_features().vnni:
@@ -279,5 +280,6 @@ def test_cpu_quantized_example_configs_validate(name, quantization):
             check_config(config, path.name)
         return
     info = check_config(config, path.name)
-    assert (config.model.quantization, config.device.compile, config.torch_dtype_name) == (quantization, True, "bfloat16")
+    assert (config.model.quantization, config.device.compile, config.torch_dtype_name) == (quantization, compile,
+                                                                                            "bfloat16")
     assert plan_memory(config, info).quantization == quantization
