@@ -57,10 +57,16 @@ constexpr int64_t kTileBytes = 16 * 64;
 constexpr int32_t kZeroPoint = 128;  // of the uint8 codes of x
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the tile loads the weight is asked for
 constexpr int64_t kChunkBytes = 512 * 1024;  // weights a chunk: kept in L2 while x's row blocks pass
+constexpr int64_t kStreamBytes = 1 << 20;  // a bf16 y this large is written past the caches (stream32)
 
 #if defined(MESHSERVE_AMX)
 
 using namespace meshserve_cpu;
+
+// What the tile loop and the epilogues it runs between its TDPs are compiled for: the tiles,
+// and AVX512-BF16's rounding (every CPU with AMX-BF16 has it). On the lambdas too, so that the
+// epilogues inline into the loop (GCC inlines only into a function compiled for as much).
+#define MESHSERVE_AMX_CODE __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512bf16")))
 
 // Asks for the `bytes` of the weight kPrefetchBytes past `w` (a later k step's tiles): the
 // tile loads wait on memory in turn, the TDPs between them keep few misses in flight, and a
@@ -84,10 +90,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure(int rows0, int rows1
 // sums [32][32] = x rows (rows0 + rows1 of them, a row of K elements apart) times one block of
 // the weight: bf16 x and weights into float32 sums (TDPBF16PS, 32 inputs a k step), or uint8
 // codes of x and int8 weight codes into int32 sums (TDPBUSD, 64 inputs a k step). Both tile rows
-// are 64 bytes, so the loop, the tiles and the block's stream are the same.
-template <typename x_t, typename w_t, typename sum_t>
-__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block(const x_t* x, int64_t K, const w_t* w, bool two,
-                                                                 sum_t* sums) {
+// are 64 bytes, so the loop, the tiles and the block's stream are the same. `between(s)` runs
+// after the TDPs of k step s are issued: the previous block's epilogue, a few rows a step, on
+// the vector units while the tiles work.
+template <typename x_t, typename w_t, typename sum_t, typename Between>
+MESHSERVE_AMX_CODE void block(const x_t* x, int64_t K, const w_t* w, bool two,
+                                                                 bool prefetch, sum_t* sums, const Between& between) {
   constexpr bool kInt8 = std::is_same_v<w_t, int8_t>;
   constexpr int64_t step = kInt8 ? kStepK8 : kStepK;  // inputs a 64-byte tile row holds
   constexpr int64_t tile = kTileBytes / sizeof(w_t);  // elements of a 16 x 64-byte tile
@@ -98,8 +106,8 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block(const x_t* x, i
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t k = 0; k < K; k += step, w += 2 * tile) {
-    prefetch_ahead(w, 2 * kTileBytes);
+  for (int64_t k = 0, s = 0; k < K; k += step, w += 2 * tile, ++s) {
+    if (prefetch) prefetch_ahead(w, 2 * kTileBytes);
     _tile_loadd(6, w, 64);
     _tile_loadd(7, w + tile, 64);
     _tile_loadd(4, x + k, ldx);
@@ -120,6 +128,7 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block(const x_t* x, i
         _tile_dpbf16ps(3, 5, 7);
       }
     }
+    between(s);
   }
   _tile_stored(0, sums, kBlockN * sizeof(sum_t));
   _tile_stored(1, sums + 16, kBlockN * sizeof(sum_t));
@@ -129,12 +138,24 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block(const x_t* x, i
   }
 }
 
-// y's `cols` (<= 32) columns from n0 of `rows` rows, rounded to bf16
-void store_block(const float* sums, int rows, int64_t cols, c10::BFloat16* y, int64_t ldy) {
-  for (int m = 0; m < rows; ++m) {
+// 32 floats rounded to bf16 (to nearest even, as store16 rounds them, in one AVX512-BF16
+// instruction: store16's integer rounding, a dozen vector ops, slows the tiles' TDPs it runs
+// between), written past the caches as one 64-byte line (`out` 64-byte aligned): a prefill's
+// output is megabytes that would first be read in, line by line, before each write.
+MESHSERVE_AMX_CODE inline void stream32(c10::BFloat16* out, __m512 lo, __m512 hi) {
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(out), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+// rows [r0, r1) of y's `cols` (<= 32) columns of a block, rounded to bf16; `stream`: full
+// 64-byte-aligned rows go past the caches (stream32)
+MESHSERVE_AMX_CODE inline __attribute__((always_inline)) void store_block(const float* sums, int r0, int r1, int64_t cols, c10::BFloat16* y, int64_t ldy,
+                                    bool stream) {
+  for (int m = r0; m < r1; ++m) {
     const float* s = sums + m * kBlockN;
     c10::BFloat16* out = y + m * ldy;
-    if (cols == kBlockN) {
+    if (cols == kBlockN && stream && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+      stream32(out, _mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
+    } else if (cols == kBlockN) {
       store16(out, _mm512_loadu_ps(s));
       store16(out + 16, _mm512_loadu_ps(s + 16));
     } else {
@@ -144,37 +165,46 @@ void store_block(const float* sums, int rows, int64_t cols, c10::BFloat16* y, in
 }
 
 // silu(gate) * up of a block packed from gate/up rows interleaved 16 by 16 (amx_linear_silu):
-// y's 16 columns from n0, each half rounded to bf16 first, as amx_linear then silu_and_mul
-// round them
-void store_silu_block(const float* sums, int rows, c10::BFloat16* y, int64_t ldy) {
-  for (int m = 0; m < rows; ++m) {
+// rows [r0, r1) of y's 16 columns from n0, each half rounded to bf16 first, as amx_linear then
+// silu_and_mul round them
+MESHSERVE_AMX_CODE inline __attribute__((always_inline)) void store_silu_block(const float* sums, int r0, int r1, c10::BFloat16* y, int64_t ldy) {
+  for (int m = r0; m < r1; ++m) {
     const float* s = sums + m * kBlockN;
     store16(y + m * ldy, silu_mul16(round16<c10::BFloat16>(_mm512_loadu_ps(s)),
                                     round16<c10::BFloat16>(_mm512_loadu_ps(s + 16))));
   }
 }
 
-// the same, in float32
-void store_block(const float* sums, int rows, int64_t cols, float* y, int64_t ldy) {
-  for (int m = 0; m < rows; ++m) std::copy(sums + m * kBlockN, sums + m * kBlockN + cols, y + m * ldy);
+// the same as store_block, in float32
+MESHSERVE_AMX_CODE inline __attribute__((always_inline)) void store_block(const float* sums, int r0, int r1, int64_t cols, float* y, int64_t ldy, bool) {
+  for (int m = r0; m < r1; ++m) std::copy(sums + m * kBlockN, sums + m * kBlockN + cols, y + m * ldy);
 }
 
 #endif
 
 #if defined(MESHSERVE_AMX)
-// visit(m0, rows, b, sums) for every pair of a block of up to 32 rows of x from m0 and a block b
-// of the weight, after `block` has put their sums in `sums`. Threads split the weight's blocks;
-// a thread's blocks go in chunks of `chunk_bytes` of weights, each kept in L1/L2 while every row
-// block passes, so a prefill reads the weight once. The tiles are configured per row count.
+// visit(m0, b, sums, r0, r1) for every pair of a block of up to 32 rows of x from m0 and a block
+// b of the weight, once `block` has put their sums in `sums`: rows [r0, r1) of the pair at a
+// time, during the next pair's k steps (the tiles keep multiplying while the vector units
+// write the previous pair out; the last pair's rows after the loop). Threads split the
+// weight's blocks; a thread's blocks go in chunks of `chunk_bytes` of weights, each kept in
+// L1/L2 while every row block passes, so a prefill reads the weight once. The tiles are
+// configured per row count.
 template <typename x_t, typename w_t, typename Visit>
 void for_each_block(const x_t* x, int64_t M, int64_t K, const w_t* w, int64_t blocks, int64_t chunk_bytes,
                     const Visit& visit) {
   using sum_t = std::conditional_t<std::is_same_v<w_t, int8_t>, int32_t, float>;
   const int64_t block_elems = K * kBlockN;
   const int64_t chunk = std::max<int64_t>(1, chunk_bytes / (block_elems * static_cast<int64_t>(sizeof(w_t))));
+  const int64_t steps = K * static_cast<int64_t>(sizeof(x_t)) / 64;  // k steps of a block
+  const int per_step = static_cast<int>((kBlockM + steps - 1) / steps);  // rows written out a k step
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) sum_t sums[kBlockM * kBlockN];
-    int configured = 0;
+    alignas(64) sum_t sums[2][kBlockM * kBlockN];
+    struct Pending {
+      int64_t m0 = 0, b = -1;
+      int rows = 0;
+    } pending;  // the pair whose sums wait in sums[1 - current]
+    int configured = 0, current = 0;
     for (int64_t first = begin; first < end; first += chunk) {
       const int64_t last = std::min(end, first + chunk);
       for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
@@ -184,12 +214,21 @@ void for_each_block(const x_t* x, int64_t M, int64_t K, const w_t* w, int64_t bl
           configured = rows;
         }
         for (int64_t b = first; b < last; ++b) {
-          block(x + m0 * K, K, w + b * block_elems, rows > 16, sums);
-          visit(m0, rows, b, static_cast<const sum_t*>(sums));
+          const sum_t* waiting = sums[1 - current];
+          const auto between = [&](int64_t step) MESHSERVE_AMX_CODE {
+            const int r0 = static_cast<int>(std::min<int64_t>(pending.rows, step * per_step));
+            const int r1 = std::min(pending.rows, r0 + per_step);
+            if (r0 < r1) visit(pending.m0, pending.b, waiting, r0, r1);
+          };
+          block(x + m0 * K, K, w + b * block_elems, rows > 16, m0 == 0, sums[current], between);
+          pending = {m0, b, rows};
+          current = 1 - current;
         }
       }
     }
+    if (pending.rows) visit(pending.m0, pending.b, static_cast<const sum_t*>(sums[1 - current]), 0, pending.rows);
     if (configured) release_tiles();
+    _mm_sfence();  // the streamed stores, before the caller reads y
   });
 }
 
@@ -199,14 +238,17 @@ template <typename out_t, bool kSilu = false>
 void multiply(const at::Tensor& x2, const at::Tensor& packed, int64_t out_features, at::Tensor& y) {
   auto* yp = y.data_ptr<out_t>();
   constexpr int64_t outputs = kSilu ? kBlockN / 2 : kBlockN;  // of y, a block
+  // (every CPU with AMX-BF16 has AVX512-BF16; asked all the same)
+  static const bool bf16_rounding = __builtin_cpu_supports("avx512bf16");
+  const bool stream = bf16_rounding && y.numel() * static_cast<int64_t>(sizeof(out_t)) >= kStreamBytes;
   for_each_block(x2.data_ptr<c10::BFloat16>(), x2.size(0), x2.size(1), packed.data_ptr<c10::BFloat16>(),
-                 packed.size(0), kChunkBytes, [&](int64_t m0, int rows, int64_t b, const float* sums) {
+                 packed.size(0), kChunkBytes, [&](int64_t m0, int64_t b, const float* sums, int r0, int r1) MESHSERVE_AMX_CODE {
                    const int64_t n0 = b * outputs, cols = std::min(outputs, out_features - n0);
                    if (cols <= 0) return;
                    if constexpr (kSilu)
-                     store_silu_block(sums, rows, yp + m0 * out_features + n0, out_features);
+                     store_silu_block(sums, r0, r1, yp + m0 * out_features + n0, out_features);
                    else
-                     store_block(sums, rows, cols, yp + m0 * out_features + n0, out_features);
+                     store_block(sums, r0, r1, cols, yp + m0 * out_features + n0, out_features, stream);
                  });
 }
 
@@ -220,7 +262,7 @@ void multiply_s8(const at::Tensor& codes, const at::Tensor& x_scale, const at::T
   const int32_t* sums_w = w_sums.data_ptr<int32_t>();
   auto* yp = y.data_ptr<scalar_t>();
   for_each_block(codes.data_ptr<uint8_t>(), codes.size(0), codes.size(1), packed.data_ptr<int8_t>(), packed.size(0),
-                 kChunkBytes, [&](int64_t m0, int rows, int64_t b, const int32_t* sums) {
+                 kChunkBytes, [&](int64_t m0, int64_t b, const int32_t* sums, int r0, int r1) MESHSERVE_AMX_CODE {
     const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, out_features - n0);
     if (cols <= 0) return;
     if (cols == kBlockN) {
@@ -229,7 +271,7 @@ void multiply_s8(const at::Tensor& codes, const at::Tensor& x_scale, const at::T
       const __m512i off0 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0), zero);
       const __m512i off1 = _mm512_mullo_epi32(_mm512_loadu_si512(sums_w + n0 + 16), zero);
       const __m512 ws0 = _mm512_loadu_ps(ws + n0), ws1 = _mm512_loadu_ps(ws + n0 + 16);
-      for (int m = 0; m < rows; ++m) {
+      for (int m = r0; m < r1; ++m) {
         const int32_t* s = sums + m * kBlockN;
         scalar_t* out = yp + (m0 + m) * out_features + n0;
         const __m512 by = _mm512_set1_ps(xs[m0 + m]);
@@ -240,7 +282,7 @@ void multiply_s8(const at::Tensor& codes, const at::Tensor& x_scale, const at::T
       }
       return;
     }
-    for (int m = 0; m < rows; ++m) {
+    for (int m = r0; m < r1; ++m) {
       const int32_t* s = sums + m * kBlockN;
       scalar_t* out = yp + (m0 + m) * out_features + n0;
       const float by = xs[m0 + m];

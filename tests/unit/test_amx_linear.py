@@ -66,6 +66,25 @@ def test_the_amx_product_matches_torch(avx512):
 
 
 @needs_amx
+def test_a_large_output_written_past_the_caches_is_the_same_product(avx512):
+    """A prefill-sized output (a megabyte and more) goes to memory in streamed 64-byte lines
+    (rounded by AVX512-BF16), each block's rows written out during the next block's k steps:
+    the same bits as the product of the same rows a few at a time (outputs written as usual),
+    with whole and ragged last blocks, rows whose lines are not 64-byte aligned, and weights
+    past one L2 chunk."""
+    g = torch.Generator().manual_seed(3)
+    for rows, n, k in ((600, 960, 576), (530, 1000, 576), (912, 576, 1536)):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        packed = avx512.ops.amx_pack(w)
+        whole = avx512.ops.amx_linear(x, packed, n)
+        assert whole.numel() * 2 >= 1 << 20
+        pieces = torch.cat([avx512.ops.amx_linear(x[i:i + 48], packed, n) for i in range(0, rows, 48)])
+        assert torch.equal(whole, pieces)
+        _close(whole, x, w)
+
+
+@needs_amx
 def test_the_amx_product_refuses_what_it_cannot_multiply(avx512):
     w = torch.randn(40, 64).bfloat16()
     packed = avx512.ops.amx_pack(w)
