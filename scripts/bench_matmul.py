@@ -4,10 +4,13 @@ by a weight is fastest at each batch size (decode rows) in this run.
 Kernels: dense float32 and bfloat16 (`F.linear`), bfloat16 packed for oneDNN (the path
 meshserve uses for bf16 on CPU), int8 weight-only (`_weight_int8pack_mm`) and int4
 weight-only with groups of 32 (`_weight_int4pack_mm_for_cpu`, the layout GGUF's Q4_1 maps
-onto), both as model.quantization runs them (meshserve.layers.quant), and int8 weights x int8 activations quantized per row on the fly (`_int_mm`).
-Median of several timed runs each; GB/s counts the weight bytes read once per call.
+onto), both as model.quantization runs them (meshserve.layers.quant), and int8 weights x int8 activations quantized per row on the fly (`_int_mm`);
+where the CPU has AMX-BF16, meshserve's own AMX product on its tile-packed bf16 weights
+(`amx_linear`, what bf16 runs there). Median of several timed runs each; GB/s counts the
+weight bytes read once per call. `--kernels` keeps some (e.g. a prefill's rows: `--rows 512
+2048 --kernels bf16_packed bf16_amx`).
 
-    python scripts/bench_matmul.py [--rows 1 8 32 512] [--output FILE.json]
+    python scripts/bench_matmul.py [--rows 1 8 32 512] [--kernels NAME ...] [--output FILE.json]
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from meshserve.configs.cpu_features import cpu_features
+from meshserve.layers.kernels import cpu_library
 from meshserve.layers.matmul import PackedCpuMatmul
 from meshserve.layers.quant import Int4Matmul, Int8Matmul
 
@@ -39,8 +44,14 @@ def timed(fn, repeats: int = 5, calls: int = 20) -> float:
     return statistics.median(runs)
 
 
-def kernels(weight: torch.Tensor):
-    """name -> (prepared state, fn(x_float32) -> y, weight bytes)."""
+def amx_library():
+    """The avx512 build where the CPU multiplies on AMX's bf16 tiles, else None."""
+    features = cpu_features()
+    return cpu_library.load("avx512") if features.runs("avx512") and features.amx_bf16 else None
+
+
+def kernels(weight: torch.Tensor, amx=None):
+    """name -> (fn(x_float32) -> y, weight bytes); `amx`: the library of the AMX product."""
     n, k = weight.shape
     out = {}
     w32, w16 = weight, weight.bfloat16()
@@ -67,6 +78,9 @@ def kernels(weight: torch.Tensor):
         return torch._int_mm(xq, q8t).float() * xs * scale
 
     out["w8a8_dynamic"] = (w8a8, n * k)
+    if amx is not None:
+        tiles = amx.ops.amx_pack(w16)
+        out["bf16_amx"] = (lambda x: amx.ops.amx_linear(bf16_input(x), tiles, n), n * k * 2)
     return out
 
 
@@ -74,14 +88,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernels", nargs="+", help="only these (default: all this CPU runs)")
     ap.add_argument("--output", default="results/bench_matmul.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    amx = amx_library()
     results = []
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k) * 0.05
-        for kernel, (fn, nbytes) in kernels(weight).items():
+        for kernel, (fn, nbytes) in kernels(weight, amx).items():
+            if args.kernels and kernel not in args.kernels:
+                continue
             for rows in args.rows:
                 x = torch.randn(rows, k)
                 try:
@@ -97,6 +115,13 @@ def main() -> None:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
+    for rows in args.rows:  # a SmolLM2 layer's four products (the LM head aside), each kernel
+        layer = {}
+        for r in results:
+            if r["rows"] == rows and r["shape"] != "lm_head":
+                layer.setdefault(r["kernel"], []).append(r["us"])
+        summary = ", ".join(f"{kernel} {sum(us) / 1e3:.2f} ms" for kernel, us in layer.items() if len(us) == 4)
+        print(f"a layer's products at {rows} rows: {summary}")
     print(f"wrote {out}")
 
 
