@@ -162,8 +162,11 @@ class CacheConfig(Section):
 class SchedulerConfig(Section):
     max_num_seqs: PositiveInt = 64
     """Most sequences in one step."""
-    max_batched_tokens: PositiveInt = 2048
-    """Token budget of one step: prefill chunks plus one token per decoding sequence."""
+    max_batched_tokens: PositiveInt = 1536
+    """Token budget of one step: prefill chunks plus one token per decoding sequence. The
+    default is measured (README, the AMX section): against 2048, a lower TTFT p50 when many
+    prompts arrive together, at the same tokens/s and TTFT p99; against 1024, the same p50
+    gain cost throughput and p99."""
     max_waiting: PositiveInt = 4096
     """Most requests queued before admission refuses new ones."""
     max_waiting_tokens: PositiveInt = 1 << 20
