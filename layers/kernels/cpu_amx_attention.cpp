@@ -9,11 +9,11 @@
 //   values, 32 keys a block, per 16 dims: [key pair i < 16][dim j < 16][2].
 // The second takes a task per (chunk, KV head, tile of 16 query tokens) and, for each query
 // head of the KV head: the scores of the tile's queries against every key they can see as
-// 16 x 16 float32 tiles (S = Q K^T, Q's rows read in place as A tiles); the causal softmax
+// 16 x 16 float32 tiles (S = Q K^T, four key tiles at a time); the causal softmax
 // of each row in float32, in two passes (its max is known before any exp, so no running
-// rescale), the weights rounded to bf16 as the A tiles of P V (as flash attention rounds P
-// on GPUs), normalized by the sum of the rounded weights; P V summed in 4 float32 tiles per
-// 64 dims.
+// rescale; the exps to the precision bf16 keeps of them), the weights rounded to bf16 as the
+// A tiles of P V (as flash attention rounds P on GPUs), normalized by the sum of the rounded
+// weights; P V summed in 4 float32 tiles per 64 dims.
 //
 // Registered as meshserve_cpu::amx_prefill_attention (built by cpu_library.py); called only
 // where the CPU has AMX-BF16 (layers/kernels/cpu_attention.py). Other builds refuse the call.
@@ -86,9 +86,28 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure_all() {
   load_tile_config(cfg);
 }
 
+// What the tile code and the softmax it calls are compiled for: the tiles, and AVX512-BF16's
+// rounding (every CPU with AMX-BF16 has it), so that the softmax inlines into it.
+#define MESHSERVE_AMX_CODE __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+// exp(x) for x <= 0 to the precision of a bf16 weight: 2^n * e^r, |r| <= ln 2 / 2, e^r by its
+// Taylor series to r^4 (relative error below 6e-5, a thirtieth of bf16's half step; exp16
+// goes to r^7 for float32's). The softmax's exps were most of the kernel's time.
+inline __m512 exp16_bf16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24), r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Row r's causal softmax over its first `visible` scores (scaled by `scale`), rounded to bf16
-// into p (zeros up to `width`); returns the sum of the rounded weights.
-float softmax_row(const float* s, int64_t visible, int64_t width, float scale, bf16* p) {
+// into p (zeros up to `width`); returns the sum of the rounded weights. The rounding is
+// AVX512-BF16's (to nearest even, as store16's integer rounding, in one instruction).
+MESHSERVE_AMX_CODE inline float softmax_row(const float* s, int64_t visible, int64_t width, float scale, bf16* p) {
   __m512 top = _mm512_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
   for (int64_t j = 0; j < visible; j += 16) {
     const __mmask16 m = static_cast<__mmask16>(visible - j >= 16 ? 0xffff : (1u << (visible - j)) - 1);
@@ -103,10 +122,10 @@ float softmax_row(const float* s, int64_t visible, int64_t width, float scale, b
       continue;
     }
     const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(m, round16<bf16>(exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), by,
-                                                                                  shift))));
-    store16(p + j, e);
-    total = _mm512_add_ps(total, e);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), by, shift)));
+    const __m256bh rounded = _mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), reinterpret_cast<__m256i>(rounded));
+    total = _mm512_add_ps(total, _mm512_cvtpbh_ps(rounded));
   }
   return _mm512_reduce_add_ps(total);
 }
@@ -119,8 +138,8 @@ struct Task {
   int64_t first, rows;  // the tile's first query of the chunk, and how many (<= 16)
 };
 
-// tiles 0-3: P V sums, 4: scores, 5: Q (then P), 6: keys (then values)
-__attribute__((target("amx-tile,amx-bf16"))) void attend(const Task& t, Rows qs, Rows os, int64_t group, int64_t D,
+// tiles 0-3: scores of 4 key tiles (then P V sums), 5: Q (then P), 6-7: keys (then values)
+MESHSERVE_AMX_CODE void attend(const Task& t, Rows qs, Rows os, int64_t group, int64_t D,
                                                             float scale, std::vector<float>& scores,
                                                             std::vector<bf16>& weights) {
   const int64_t keys = t.first + t.rows, score_tiles = (keys + kTile - 1) / kTile;
@@ -138,14 +157,39 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend(const Task& t, Rows qs,
       else
         std::memset(query + r * D, 0, D * sizeof(bf16));
     }
-    for (int64_t kt = 0; kt < score_tiles; ++kt) {
-      _tile_zero(4);
+    // 4 key tiles at a time, in 4 tiles of sums: 4 independent chains of TDPs (one chain
+    // waited on each TDP before the next)
+    const int64_t key_tile = (D / 32) * 512;  // elements of a key tile's packed keys
+    for (int64_t kt = 0; kt < score_tiles; kt += 4) {
+      const int64_t n = std::min<int64_t>(4, score_tiles - kt);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
       for (int64_t s = 0; s < D / 32; ++s) {
+        const bf16* kb = t.kp + kt * key_tile + s * 512;
         _tile_loadd(5, query + 32 * s, D * sizeof(bf16));
-        _tile_loadd(6, t.kp + (kt * (D / 32) + s) * 512, 64);
-        _tile_dpbf16ps(4, 5, 6);
+        _tile_loadd(6, kb, 64);
+        _tile_dpbf16ps(0, 5, 6);
+        if (n > 1) {
+          _tile_loadd(7, kb + key_tile, 64);
+          _tile_dpbf16ps(1, 5, 7);
+        }
+        if (n > 2) {
+          _tile_loadd(6, kb + 2 * key_tile, 64);
+          _tile_dpbf16ps(2, 5, 6);
+        }
+        if (n > 3) {
+          _tile_loadd(7, kb + 3 * key_tile, 64);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
-      _tile_stored(4, scores.data() + kt * kTile, width * sizeof(float));
+      float* out = scores.data() + kt * kTile;
+      const int64_t ld = width * sizeof(float);
+      _tile_stored(0, out, ld);
+      if (n > 1) _tile_stored(1, out + kTile, ld);
+      if (n > 2) _tile_stored(2, out + 2 * kTile, ld);
+      if (n > 3) _tile_stored(3, out + 3 * kTile, ld);
     }
     for (int64_t r = 0; r < kTile; ++r)
       total[r] = softmax_row(scores.data() + r * width, std::min(keys, t.first + r + 1), width, scale,
