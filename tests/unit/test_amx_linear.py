@@ -127,15 +127,26 @@ def test_the_amx_int8_product_matches_the_math_on_the_codes(avx512):
 
 
 @pytest.mark.parametrize("isa", [isa for isa in ("avx2", "scalar") if cpu_features().runs(isa)])
-def test_the_other_builds_refuse_the_amx_product(isa):
+def test_the_other_builds_refuse_the_amx_ops(isa):
+    """Every AMX op is registered in every build and refused outside the avx512 one, with
+    arguments it would take there."""
     build = cpu_library.load(isa)
     if build is None:
         pytest.skip("no C++ compiler for the CPU kernels")
     packed = build.ops.amx_pack(torch.randn(40, 64).bfloat16())
+    x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="avx512 build"):
-        build.ops.amx_linear(torch.randn(2, 64).bfloat16(), packed, 40)
+        build.ops.amx_linear(x, packed, 40)
     with pytest.raises(RuntimeError, match="avx512 build"):
-        build.ops.amx_linear_f32(torch.randn(2, 64).bfloat16(), packed, 40)
+        build.ops.amx_linear_f32(x, packed, 40)
+    with pytest.raises(RuntimeError, match="avx512 build"):
+        build.ops.amx_linear_silu(x, build.ops.amx_pack(torch.randn(64, 64).bfloat16()), 32)
+    codes = build.ops.amx_pack_s8(torch.ones(40, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="amx_w8a8_linear runs in the avx512 build"):
+        build.ops.amx_w8a8_linear(x, codes, torch.ones(64), torch.zeros(64, dtype=torch.int32), 40)
+    q, k, v = (torch.randn(10, heads, 64).bfloat16() for heads in (9, 3, 3))
+    with pytest.raises(RuntimeError, match="amx_prefill_attention runs in the avx512 build"):
+        build.ops.amx_prefill_attention(q, k, v, torch.tensor([[0, 10]]), 0.125)
 
 
 AMX_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2", "avx512_bf16",
