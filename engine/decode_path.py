@@ -17,7 +17,7 @@ import threading
 from meshserve.engine.compile_throttle import CompileThrottle
 from meshserve.engine.compiled_decode import CompiledDecode
 from meshserve.engine.decode_graphs import DecodeGraphs
-from meshserve.layers.fused_decode import FusedDecodeLayers, fused_decode_layers
+from meshserve.layers.fused_decode import FusedDecodeLayers
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +38,16 @@ class EagerForward:
 class DecodePath:
     """Chooses, for each step, what runs the forward of `model` over `kv_caches`."""
 
-    def __init__(self, model, kv_caches, block_size: int, num_blocks: int, max_model_len: int, device, *,
-                 compile_decode: bool = False, compile_in_background: bool = False, decode_graphs: int = 0):
-        """`decode_graphs`: the largest batch whose decode steps replay captured graphs (0:
-        none). `compile_decode`: decode steps through torch.compile, compiled here, or with
+    def __init__(self, model, fused: FusedDecodeLayers | None, kv_caches, block_size: int, num_blocks: int,
+                 max_model_len: int, device, *, compile_decode: bool = False, compile_in_background: bool = False,
+                 decode_graphs: int = 0):
+        """`fused`: the model's layers in one C++ call for eager steps (layers/fused_decode.py
+        fused_decode_layers), or None. `decode_graphs`: the largest batch whose decode steps
+        replay captured graphs (0: none). `compile_decode`: decode steps through torch.compile, compiled here, or with
         `compile_in_background` in a thread of its own while decode steps run eagerly, which
         switch to the graphs once they are ready; that thread gives way to the steps
         (engine/compile_throttle.py). Both write block `num_blocks` of the cache
         (the padding rows' or the warm-up's scratch), which the caller allocated."""
-        fused = fused_decode_layers(model) if device.type == "cpu" else None
         self.eager = EagerForward(model, fused)
         self.compiled: CompiledDecode | None = None
         """The compiled decode step once it is ready (decode steps run eagerly until then)."""

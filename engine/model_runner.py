@@ -129,14 +129,15 @@ class ModelRunner:
         int8 = memory.kv_dtype == "int8"
         shape = (memory.num_blocks, memory.block_size, heads, kv_quant.row_length(info.head_dim) if int8 else info.head_dim)
         cache_dtype = torch.int8 if int8 else self.dtype
+        fused = fused_decode_layers(self.model) if self.device.type == "cpu" else None
         if compile_decode == "auto":  # the fused layers serve faster than the compiled step (README, AMX)
-            compile_decode = self.device.type == "cpu" and fused_decode_layers(self.model) is None
+            compile_decode = self.device.type == "cpu" and fused is None
         if decode_graphs or compile_decode:
             shape = (shape[0] + 1, *shape[1:])  # block num_blocks: the graphs' or the warm-up's scratch
         # Zeros, not empty: attention masks unwritten slots, but 0 * NaN would still be NaN.
         self.kv_caches = [(zeros_on_touch(shape, cache_dtype, self.device),
                            zeros_on_touch(shape, cache_dtype, self.device)) for _ in model.layers]
-        self.decode = DecodePath(self.model, self.kv_caches, memory.block_size, memory.num_blocks,
+        self.decode = DecodePath(self.model, fused, self.kv_caches, memory.block_size, memory.num_blocks,
                                  memory.max_model_len, self.device, compile_decode=compile_decode,
                                  compile_in_background=compile_in_background, decode_graphs=decode_graphs)
         """What runs each step's forward (graphs, compiled, fused C++ layers or eager)."""

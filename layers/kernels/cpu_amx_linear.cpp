@@ -94,8 +94,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure(int rows0, int rows1
 // after the TDPs of k step s are issued: the previous block's epilogue, a few rows a step, on
 // the vector units while the tiles work.
 template <typename x_t, typename w_t, typename sum_t, typename Between>
-MESHSERVE_AMX_CODE void block(const x_t* x, int64_t K, const w_t* w, bool two,
-                                                                 bool prefetch, sum_t* sums, const Between& between) {
+MESHSERVE_AMX_CODE void block(const x_t* x, int64_t K, const w_t* w, bool two, bool prefetch, sum_t* sums,
+                              const Between& between) {
   constexpr bool kInt8 = std::is_same_v<w_t, int8_t>;
   constexpr int64_t step = kInt8 ? kStepK8 : kStepK;  // inputs a 64-byte tile row holds
   constexpr int64_t tile = kTileBytes / sizeof(w_t);  // elements of a 16 x 64-byte tile
