@@ -43,6 +43,15 @@ def gather_from_tp(x: torch.Tensor, group: AxisGroup, dst: int = 0) -> torch.Ten
     return out
 
 
+def broadcast_from_tp(x: torch.Tensor, group: AxisGroup, src: int = 0) -> torch.Tensor:
+    """Member `src`'s `x` into every member's `x` (same shape and dtype), in place; returns it."""
+    if group.size > 1:
+        started = group.timer.start()
+        dist.broadcast(x, src=group.ranks[src], group=group.device_group)
+        group.timer.stop(started)
+    return x
+
+
 def send_to_next_stage(x: torch.Tensor, group: AxisGroup) -> list:
     """Sends `x` to the next pipeline stage (batched isend); returns the pending works,
     which must be waited on before `x` is reused or freed."""

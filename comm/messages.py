@@ -319,6 +319,10 @@ class SeqDelta(Struct, array_like=True, frozen=True):
     Fewer after a speculative step gave back the blocks only its rejected drafts used."""
     draft: list[int] = []
     """Speculative decoding: as NewSeq.draft."""
+    deferred: bool = False
+    """Overlapped steps (engine/engine.py): the step computes one token the driver has not
+    seen, the one the previous step sampled for this sequence. The ranks append it
+    themselves, from the sampled tokens they kept on the device; new_token_ids is empty."""
 
 
 class TokenMasks(Struct, array_like=True, frozen=True):

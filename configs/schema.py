@@ -167,6 +167,13 @@ class SchedulerConfig(Section):
     default is measured (README, the AMX section): against 2048, a lower TTFT p50 when many
     prompts arrive together, at the same tokens/s and TTFT p99; against 1024, the same p50
     gain cost throughput and p99."""
+    overlap: bool | Literal["auto"] = "auto"
+    """Schedule step n + 1 and submit it while step n runs, SGLang's overlap scheduler and
+    vLLM's async scheduling: the tokens step n samples feed step n + 1 on the device, and
+    the driver reads them, checks stops and detokenizes behind it (engine/engine.py). The
+    same tokens either way. One pipeline stage, no context or expert parallelism, no
+    disaggregation. `auto`: on CUDA; off on the CPU, where the host work and the kernels
+    share the cores and each token reaches its client one step later (README measures it)."""
     max_waiting: PositiveInt = 4096
     """Most requests queued before admission refuses new ones."""
     max_waiting_tokens: PositiveInt = 1 << 20

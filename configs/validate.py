@@ -226,6 +226,7 @@ def draft_config(config: Config, info: ModelInfo) -> Config:
         "device": config.device.model_copy(update={"compile": False, "cpu_bind": "none"}),
         "cache": CacheConfig(block_size=config.cache.block_size, memory=spec.draft_memory, prefix_caching=False),
         "speculative": SpeculativeConfig(),
+        "scheduler": config.scheduler.model_copy(update={"overlap": False}),  # the proposer reads each step
         "cluster": ClusterConfig()})
 
 
@@ -333,6 +334,31 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "
                         f"parallel.context={config.parallel.context}): collectives are not traced")
+    problems += overlap_problems(config)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return info
+
+
+def overlap_blockers(config: Config) -> list[str]:
+    """What rules out overlapped steps (scheduler.overlap) in `config`."""
+    p = config.parallel
+    found = []
+    if p.pipeline > 1:
+        found.append(f"parallel.pipeline={p.pipeline} (its micro-batches already keep {p.num_micro_batches} "
+                     f"steps in flight)")
+    if p.context > 1:
+        found.append(f"parallel.context={p.context}")
+    if p.expert > 1:
+        found.append(f"parallel.expert={p.expert}")
+    if config.disaggregation.enabled:
+        found.append("disaggregation.enabled=true")
+    return found
+
+
+def overlap_problems(config: Config) -> list[str]:
+    blockers = overlap_blockers(config)
+    if config.scheduler.overlap is True and blockers:
+        return [f"scheduler.overlap=true needs one pipeline stage, no context or expert parallelism and no "
+                f"disaggregation; here {', '.join(blockers)} (set scheduler.overlap to auto or false)"]
+    return []

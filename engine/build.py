@@ -17,7 +17,7 @@ from meshserve.comm.kv_transfer import TorchKvTransport
 from meshserve.configs.memory import MemoryPlan, plan_memory, stage_layer_range, stage_layers
 from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.schema import Config
-from meshserve.configs.validate import draft_config
+from meshserve.configs.validate import draft_config, overlap_blockers
 from meshserve.engine.calibration import calibration_ids
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import Executor, LocalExecutor
@@ -45,7 +45,7 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
                        compile_decode=decode_compile(config, info), calibration=calibration_ids(config, info, tokenizer),
                        expert_exchange=config.parallel.expert_exchange,
                        decode_graphs=config.scheduler.max_num_seqs if uses_decode_graphs(config) else 0,
-                       compile_in_background=not device_cfg.compile_wait)
+                       compile_in_background=not device_cfg.compile_wait, overlap=uses_overlap(config))
 
 
 def decode_compile(config: Config, info: ModelInfo) -> bool | str:
@@ -55,6 +55,15 @@ def decode_compile(config: Config, info: ModelInfo) -> bool | str:
     setting = config.device.compile
     if setting == "auto" and (config.device.type != "cpu" or config.world_size > 1 or info.moe is not None):
         return False
+    return setting
+
+
+def uses_overlap(config: Config) -> bool:
+    """scheduler.overlap resolved: `auto` is on CUDA where nothing rules it out
+    (configs/validate.py refuses `true` there)."""
+    setting = config.scheduler.overlap
+    if setting == "auto":
+        return config.device.type == "cuda" and not overlap_blockers(config)
     return setting
 
 
@@ -72,7 +81,7 @@ def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: 
     return Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
                   micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context,
                   prefix_caching=config.cache.prefix_caching, speculator=build_speculator(config, info, memory),
-                  role=replica_role(config))
+                  role=replica_role(config), overlap=uses_overlap(config))
 
 
 def replica_role(config: Config) -> str | None:

@@ -161,15 +161,19 @@ class DecodeGraphs:
             is not None and bool(self.graphs)
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
+    def run(self, input_ids: torch.Tensor, positions: list[int], seq_lens: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:
-        """The step's (n, hidden) final-normed hidden states, from its bucket's graph."""
+        """The step's (n, hidden) final-normed hidden states, from its bucket's graph.
+        `input_ids`: (n,) on the device (an overlapped step's come partly from the step
+        before it, never from the host)."""
         n = len(input_ids)
         bucket = self.graphs[bucket_for(n, self.buckets)]
         seq_lens, block_tables = self._padded(bucket.size, seq_lens, block_tables)
         pad = bucket.size - n
         scratch_slot = self.scratch_block * self.block_size
-        bucket.input_ids.copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.long))
+        bucket.input_ids[:n].copy_(input_ids)
+        if pad:
+            bucket.input_ids[n:].zero_()
         bucket.positions.copy_(torch.tensor(positions + [0] * pad, dtype=torch.long))
         fresh = self._metadata(seq_lens, block_tables)
         copy_metadata(bucket.meta, fresh)

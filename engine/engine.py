@@ -71,12 +71,14 @@ class InFlight:
 
     batch: ScheduledBatch
     handle: Any
+    context_lens: list[int]
+    """Each sequence's tokens in context once the step has run."""
 
 
 class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
                  vocab_size: int, micro_batches: int = 1, cp_size: int = 1, prefix_caching: bool = False,
-                 speculator: Speculator | None = None, role: str | None = None):
+                 speculator: Speculator | None = None, role: str | None = None, overlap: bool = False):
         """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
         takes its share of the sequences, and no sequence is in two at once
         (meshserve.parallel.pipeline). `cp_size`: ranks a sequence's tokens are split
@@ -84,10 +86,21 @@ class Engine:
         prefixes already computed (meshserve.engine.block_manager). `speculator`: drafts
         tokens for the decoding sequences, which each step verifies (meshserve.engine.speculative).
         `role`: this replica's in disaggregated prefill/decode ("prefill" or "decode";
-        meshserve.engine.handoff), None without it."""
+        meshserve.engine.handoff), None without it. `overlap`: schedule and submit each step
+        while the one before it runs (one stage, `micro_batches` 1): a sequence that step
+        samples computes its sampled token next, which the ranks take from the device; the
+        driver receives the tokens of step n, checks stops and detokenizes while step n + 1
+        runs. A stop found so finishes its request a step late; the token computed after it
+        is dropped, never streamed. Sequences whose next step needs their last token here
+        wait for it instead: a grammar's mask, speculative drafts."""
+        if overlap and micro_batches != 1:
+            raise ValueError(f"overlapped steps with {micro_batches} pipeline micro-batches: they already "
+                             f"keep {micro_batches} steps in flight")
+        self.overlap = overlap
         self.speculator = speculator
         self.executor = executor
-        self._in_flight: MicroBatches[InFlight] = MicroBatches(micro_batches)
+        self._in_flight: MicroBatches[InFlight] = (MicroBatches(2, overlapping=True) if overlap
+                                                   else MicroBatches(micro_batches))
         self.vocab_size = vocab_size
         self.cp_size = cp_size
         self.tokenizer = tokenizer
@@ -189,7 +202,7 @@ class Engine:
         for run in result.prompt_logprobs or ():
             self._add_prompt_logprobs(run)
         out: list[tuple[Hashable, object]] = self._take_events()
-        context_lens = [s.num_computed + n for s, n in zip(done.batch.seqs, done.batch.num_new)]
+        context_lens = done.context_lens
         drafted = {s.seq_id: len(s.draft) for s in done.batch.seqs if s.draft}
         for seq, tokens in self.scheduler.update(done.batch, sampled):
             if seq.seq_id in drafted:
@@ -248,7 +261,7 @@ class Engine:
             ready = sum(1 for s in self.scheduler.running if s.seq_id not in busy) + len(self.scheduler.waiting)
             share = self._in_flight.share(ready)
             drafting = self._draft(busy, share)
-            batch = self.scheduler.schedule(busy, share)
+            batch = self.scheduler.schedule(busy, share, self._ahead(busy))
             if self.observer is not None and (len(batch) or batch.preempted):
                 self.observer.on_scheduled(batch)
             for seq in batch.preempted:
@@ -269,8 +282,11 @@ class Engine:
                 sampled = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n - len(s.draft) == s.num_tokens]
                 masks = self.guided.masks([s.seq_id for s in sampled], [s.draft for s in sampled])
             plan = self.plans.build(batch, masks, self.handoffs.take())
+            context_lens = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)]
+            self.scheduler.launched(batch)
             self.stats.schedule_seconds += time.perf_counter() - started
-            self._in_flight.push(InFlight(batch, self.executor.submit(plan)), (s.seq_id for s in batch.seqs))
+            self._in_flight.push(InFlight(batch, self.executor.submit(plan), context_lens),
+                                 (s.seq_id for s in batch.seqs))
             if plan.kv is not None and plan.kv.land:
                 self._land(plan.kv.land)
             if not len(batch):
@@ -299,6 +315,20 @@ class Engine:
                 f"the prompt's KV did not arrive whole from prefill replica {seq.handoff.peer} within "
                 f"disaggregation.transfer_timeout")))
             self._finish(state)
+
+    def _ahead(self, busy: frozenset[int]) -> frozenset[int]:
+        """Overlapped steps: the sequences of the step in flight that the next step may
+        take too. Not those whose next step needs their pending token on the driver (a
+        grammar's mask, the speculator's drafts), nor a prefill replica's (done once it has
+        sampled), nor those whose pending token is their last by length."""
+        if not self.overlap or not busy or self.speculator is not None:
+            return frozenset()
+        limit = self.memory.max_model_len
+        return frozenset(
+            s.seq_id for s in self.scheduler.running
+            if s.seq_id in busy and s.seq_id not in self.guided and s.handoff is None
+            and s.num_tokens + s.num_pending - s.prompt_len < s.params.max_tokens
+            and s.num_tokens + s.num_pending < limit)
 
     def _take_events(self) -> list[tuple[Hashable, object]]:
         events, self._events = self._events, []

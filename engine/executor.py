@@ -10,6 +10,7 @@ from meshserve.comm.failure import FailureSignal
 from meshserve.comm.messages import RankStats, Shutdown, StepPlan, StepResult
 from meshserve.comm.step_results import ExpectedResult
 from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.pending_result import PendingResult, resolved
 
 
 class Executor(Protocol):
@@ -43,14 +44,14 @@ class LocalExecutor:
         self.started = time.monotonic()
         self.failure = failure or FailureSignal()
 
-    def submit(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> StepResult | PendingResult:
         return self.runner.execute(plan)
 
     def rank_stats(self) -> dict[int, RankStats]:
         return {0: self.runner.rank_stats(time.monotonic() - self.started, 0)}
 
-    def wait(self, handle: StepResult) -> StepResult:
-        return handle
+    def wait(self, handle: StepResult | PendingResult) -> StepResult:
+        return resolved(handle)
 
     def landed(self) -> dict[int, bool]:
         return self.runner.take_landed()
@@ -76,7 +77,7 @@ class DistributedExecutor:
         self.channel.drain()
         return {0: self.runner.rank_stats(time.monotonic() - self.started, 0), **self.channel.rank_stats}
 
-    def submit(self, plan: StepPlan) -> StepResult | int:
+    def submit(self, plan: StepPlan) -> StepResult | PendingResult | int:
         """Publish `plan` and run the driver's shard; returns the driver's own result when it
         samples, else the step id, whose result the channel then expects from the sampling
         rank in the shape the driver's mirror predicts (comm/step_results.py)."""
@@ -95,10 +96,10 @@ class DistributedExecutor:
     def landed(self) -> dict[int, bool]:
         return self.runner.take_landed()
 
-    def wait(self, handle: StepResult | int) -> StepResult:
-        if isinstance(handle, StepResult):
+    def wait(self, handle: StepResult | PendingResult | int) -> StepResult:
+        if not isinstance(handle, int):
             self.channel.drain()
-            return handle
+            return resolved(handle)
         start = time.perf_counter()
         result = self.channel.recv_result(handle, self.result_timeout, check=self.failure.check)
         self.control_seconds += time.perf_counter() - start

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from meshserve.comm.messages import SamplingParams, StepPlan
 from meshserve.parallel.context import advance, chunk_owners, owned_positions
 
+DEFERRED = -1
+"""A token id the mirror holds for a deferred token (SeqDelta.deferred) until the sampling
+rank writes the sampled value over it; elsewhere it stays, and only its device copy is read."""
+
 
 @dataclass
 class MirrorSeq:
@@ -57,6 +61,9 @@ class ScheduledChunk:
     draft: list[int] = field(default_factory=list)
     """Speculative decoding: the chunk's last len(draft) tokens are these proposed ones, not
     yet the sequence's; the sampling rank samples after each of them too."""
+    deferred: bool = False
+    """The chunk is the one token the previous step sampled (SeqDelta.deferred): its input
+    comes from the device."""
 
     @property
     def input_ids(self) -> list[int]:
@@ -82,12 +89,14 @@ class SequenceMirror:
         for d in plan.running:
             seq = self.seqs[d.seq_id]
             seq.token_ids.extend(d.new_token_ids)
+            if d.deferred:
+                seq.token_ids.append(DEFERRED)
             if d.num_blocks >= 0:
                 del seq.block_ids[d.num_blocks:]
             seq.block_ids.extend(d.new_block_ids)
             if d.num_computed >= 0:  # past what this mirror counted: drafts accepted in the last step
                 seq.num_computed = d.num_computed
-            chunks.append(self._compute(d.seq_id, seq, d.num_new, d.draft))
+            chunks.append(self._compute(d.seq_id, seq, d.num_new, d.draft, d.deferred))
         for n in plan.new:
             seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
             if self.cp_size > 1:  # a cached prefix lies where a fresh prefill would have put it
@@ -98,7 +107,8 @@ class SequenceMirror:
             chunks.append(self._compute(n.seq_id, seq, n.num_new, n.draft))
         return chunks
 
-    def _compute(self, seq_id: int, seq: MirrorSeq, num_new: int, draft: list[int]) -> ScheduledChunk:
+    def _compute(self, seq_id: int, seq: MirrorSeq, num_new: int, draft: list[int],
+                 deferred: bool = False) -> ScheduledChunk:
         start = seq.num_computed
         owners, held = None, 0
         if self.cp_size > 1:  # (speculative decoding is refused with context parallelism)
@@ -107,7 +117,7 @@ class SequenceMirror:
             seq.local_positions.extend(owned_positions(start, owners, self.cp_rank))
             seq.local_lens = advance(seq.local_lens, owners)
         seq.num_computed = start + num_new - len(draft)  # the drafts count once they are accepted
-        return ScheduledChunk(seq_id, seq, start, num_new, seq.fully_computed, owners, held, list(draft))
+        return ScheduledChunk(seq_id, seq, start, num_new, seq.fully_computed, owners, held, list(draft), deferred)
 
     def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams, int]]:
         """(seq_id, params, drafts verified) of the sequences of `plan`, the last plan

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshserve.comm.collectives import recv_from_prev_stage, reduce_from_tp
+from meshserve.comm.collectives import broadcast_from_tp, recv_from_prev_stage, reduce_from_tp
 from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult, TokenLogprob, TokenMasks
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.decode_path import DecodePath
 from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
+from meshserve.engine.pending_result import PendingResult
 from meshserve.engine.speculative.verify import accept
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
@@ -61,6 +62,8 @@ class RunnerStats:
     """The model's forward (this rank's shard, its collectives included)."""
     sample_seconds: float = 0.0
     """Logits (and their gather) and sampling."""
+    deferred_tokens: int = 0
+    """Overlapped steps: input tokens taken on the device from the step before."""
 
 
 @dataclass
@@ -88,6 +91,21 @@ class StepInputs:
     token of a split chunk is its owner's); per token, its row on this rank if this rank
     computed it, else -1. Every rank of the group lists the same tokens; their hidden states
     are summed over the group and appended after the batch's rows (sample_rows point there)."""
+    deferred: list[tuple[int, int]] = field(default_factory=list)
+    """Overlapped steps: (row, seq_id) of each row whose token the previous step sampled
+    (SeqDelta.deferred); input_ids holds it, taken on the device."""
+
+
+@dataclass
+class LastSampled:
+    """Overlapped steps: what the previous step sampled, kept where it was sampled."""
+
+    row_of: dict[int, int]
+    """seq_id -> its row of `tokens` (sequences that verified no drafts)."""
+    tokens: torch.Tensor
+    """On the device; on every rank of the tensor-parallel group (the sampling rank's, broadcast)."""
+    result: PendingResult | None
+    """The sampling rank's result of that step (None elsewhere)."""
 
 
 class ModelRunner:
@@ -95,7 +113,7 @@ class ModelRunner:
                  sampler_seed: int | None = None, show_progress: bool = False,
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool | str = False,
                  calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
-                 decode_graphs: int = 0, compile_in_background: bool = False):
+                 decode_graphs: int = 0, compile_in_background: bool = False, overlap: bool = False):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses);
@@ -106,7 +124,12 @@ class ModelRunner:
         largest batch whose decode steps replay captured graphs (engine/decode_graphs.py;
         0: none); the KV cache then has one more block, the padding rows' scratch.
         `compile_in_background`: compile in a thread of its own while decode steps run
-        eagerly, and switch to the graphs once they are ready (device.compile_wait=false)."""
+        eagerly, and switch to the graphs once they are ready (device.compile_wait=false).
+        `overlap`: the driver overlaps steps (scheduler.overlap): each step's sampled tokens
+        stay on the device, on every rank of the tensor-parallel group, for the next step's
+        deferred inputs, and `execute` returns the sampling rank's result unread."""
+        self.overlap = overlap
+        self._last: LastSampled | None = None
         self.info, self.memory, self.groups = info, memory, groups
         self.device = torch.device(device)
         self.dtype = DTYPES[memory.dtype]
@@ -176,16 +199,54 @@ class ModelRunner:
             query_lens.append(c.num_new)
             seq_lens.append(end)
             block_tables.append(c.seq.block_ids)
+            if c.deferred:
+                inputs.deferred.append((len(ids) - 1, c.seq_id))
             if c.sampled:
                 self._add_sample(inputs, len(ids) - 1 - len(c.draft), c.seq_id, c.seq, c.draft)
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if inputs.deferred:
+            self._take_deferred(inputs)
         if not inputs.prompt_spans and self.decode.replays(query_lens):
-            inputs.graph_step = (ids, positions, seq_lens, block_tables)
+            inputs.graph_step = (inputs.input_ids, positions, seq_lens, block_tables)
             return inputs
         inputs.meta = self.model.backend.build_metadata(query_lens, seq_lens, block_tables, self.memory.block_size,
                                                         self.device)
         return inputs
+
+    def _take_deferred(self, inputs: StepInputs) -> None:
+        """The deferred rows' tokens, from the previous step's on the device (no host wait)."""
+        last = self._last
+        missing = [s for _, s in inputs.deferred if last is None or s not in last.row_of]
+        if missing:
+            raise RuntimeError(f"a step defers the tokens of seqs {missing}, which the step before it did not sample")
+        rows = torch.tensor([r for r, _ in inputs.deferred], dtype=torch.long, device=self.device)
+        src = torch.tensor([last.row_of[s] for _, s in inputs.deferred], dtype=torch.long, device=self.device)
+        inputs.input_ids[rows] = last.tokens[src]
+        self.stats.deferred_tokens += len(inputs.deferred)
+
+    def _fill_deferred(self, batch: list[ScheduledChunk]) -> None:
+        """The sampling rank's mirror: each deferred token's value, read from the previous
+        step's result, for the penalties and the seeds that read a sequence's tokens. That
+        step's sampling ran before this step's forward: the read does not wait for it."""
+        result = self._last.result.resolve()
+        value = dict(zip(result.seq_ids, result.token_ids))
+        for c in batch:
+            if c.deferred:
+                c.seq.token_ids[c.start] = value[c.seq_id]
+
+    def _keep_sampled(self, tokens: torch.Tensor | None, inputs: StepInputs, result: PendingResult | None) -> None:
+        """Overlapped steps: keep this step's sampled tokens on the device for the next
+        step's deferred rows, on every rank of the tensor-parallel group. `tokens`: the
+        sampling rank's (None elsewhere)."""
+        if any(inputs.drafts):  # the speculator's sequences wait for their tokens on the driver
+            self._last = None
+            return
+        if self.groups.tp.size > 1:
+            if tokens is None:
+                tokens = torch.empty(len(inputs.sample_rows), dtype=torch.long, device=self.device)
+            tokens = broadcast_from_tp(tokens.to(torch.long).contiguous(), self.groups.tp)
+        self._last = LastSampled({s: i for i, s in enumerate(inputs.sample_seq_ids)}, tokens, result)
 
     def _prepare_cp(self, batch: list[ScheduledChunk]) -> StepInputs:
         cp = self.groups.cp
@@ -298,13 +359,15 @@ class ModelRunner:
         return sum(m.tokens_computed for m in self._moe_layers)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step. Returns the sampled tokens on the sampling rank, None elsewhere."""
+    def execute(self, plan: StepPlan) -> StepResult | PendingResult | None:
+        """Run one step. Returns the sampled tokens on the sampling rank (with `overlap`,
+        unread: engine/pending_result.py), None elsewhere."""
         start = time.perf_counter()
         if plan.kv is not None and self.kv is not None:
             self.kv.apply(plan.kv)
         batch = self.mirror.apply(plan)
         if not batch:
+            self._last = None
             return StepResult(plan.step_id, [], []) if self.sampler else None
         inputs = self.prepare(batch)
         prepared = time.perf_counter()
@@ -336,15 +399,25 @@ class ModelRunner:
         if inputs.prompt_spans:
             prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_spans)
         if not inputs.sample_rows:
+            self._last = None
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt) if self.sampler else None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        result = None
+        result, tokens = None, None
         if self.sampler is not None:
+            if inputs.deferred:
+                self._fill_deferred(batch)
             bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, inputs.drafts, logits.device)
-            tokens, logprobs = self.sampler(logits, inputs.sampling, bitmask, mask_rows)
-            counts = None
+            sampled = self.sampler.sample(logits, inputs.sampling, bitmask, mask_rows)
+            tokens = sampled.tokens
             if any(inputs.drafts):
-                tokens, logprobs, counts = self._verify(tokens, logprobs, inputs.drafts)
-            result = StepResult(plan.step_id, inputs.sample_seq_ids, tokens, logprobs, prompt, counts)
+                token_list, logprobs = sampled.to_lists()
+                token_list, logprobs, counts = self._verify(token_list, logprobs, inputs.drafts)
+                result = StepResult(plan.step_id, inputs.sample_seq_ids, token_list, logprobs, prompt, counts)
+            else:
+                result = PendingResult(plan.step_id, inputs.sample_seq_ids, sampled, prompt)
+        if self.overlap:
+            self._keep_sampled(tokens, inputs, result if isinstance(result, PendingResult) else None)
+        elif isinstance(result, PendingResult):
+            result = result.resolve()
         self.stats.sample_seconds += time.perf_counter() - forwarded
         return result

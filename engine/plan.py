@@ -35,11 +35,14 @@ class PlanBuilder:
             if seq.sent_tokens:
                 # sent_blocks: fewer than the ranks hold if rejected drafts gave blocks back (Scheduler.update)
                 running.append(SeqDelta(seq.seq_id, seq.token_ids[seq.sent_tokens:], seq.block_ids[seq.sent_blocks:],
-                                        n, seq.num_computed, seq.sent_blocks, list(seq.draft)))
+                                        n, seq.num_computed, seq.sent_blocks, list(seq.draft),
+                                        deferred=seq.num_pending > 0))
             else:
+                assert not seq.num_pending, f"seq {seq.seq_id}: a token pending, but the ranks do not know it"
                 new.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len, list(seq.block_ids),
                                   seq.num_computed, n, seq.params, list(seq.draft)))
-            seq.sent_tokens, seq.sent_blocks = seq.num_tokens, len(seq.block_ids)
+            # a deferred token is the ranks' already: its value, once known here, is not sent
+            seq.sent_tokens, seq.sent_blocks = seq.num_tokens + seq.num_pending, len(seq.block_ids)
         plan = StepPlan(self._step_id, running, new, self._dropped, masks, kv)
         self._step_id += 1
         self._dropped = []

@@ -33,6 +33,10 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     reserved: list[Sequence] = field(default_factory=list)
     """Disaggregated decode: sequences whose blocks were reserved this step (none computes)."""
+    launched: bool = False
+    """Scheduler.launched has counted it."""
+    samples: list[bool] = field(default_factory=list)
+    """Per sequence (set by Scheduler.launched): whether the step samples a token of it."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,17 +64,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> ScheduledBatch:
+    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None,
+                 ahead: frozenset[int] = frozenset()) -> ScheduledBatch:
         """One step's batch. `busy`: ids of sequences in a step still in flight (pipeline
-        micro-batches): they are neither scheduled nor preempted. `max_seqs`: this step's
-        share of sequences (default max_num_seqs)."""
+        micro-batches, overlapped steps): they are never preempted, and scheduled only if
+        in `ahead` (overlapped steps: their next tokens, the pending one included, follow
+        the step in flight). `max_seqs`: this step's share of sequences (default max_num_seqs)."""
         batch = ScheduledBatch()
         budget = self.max_batched_tokens
         cap = max_seqs or self.max_num_seqs
         for seq in list(self.running):
             if budget <= 0 or len(batch) >= cap:
                 break
-            if seq.status is not SeqStatus.RUNNING or seq.seq_id in busy:
+            if seq.status is not SeqStatus.RUNNING or (seq.seq_id in busy and seq.seq_id not in ahead):
                 continue  # preempted a moment ago, or in flight
             n = min(seq.num_uncomputed + len(seq.draft), budget)
             if seq.draft and not self.blocks.can_grow(seq, n):
@@ -152,26 +158,47 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[tuple[Sequence, list[int]]]:
-        """Record a finished step: computed counts advance (by the known tokens and the
-        accepted drafts; the blocks only rejected drafts used are given back), and each
-        sequence whose known tokens are now all computed appends its sampled tokens (its
-        accepted drafts, then the one sampled after them). Returns those sequences with
-        their new tokens."""
-        grown = []
+    def launched(self, batch: ScheduledBatch) -> None:
+        """A step was submitted: its known tokens count as computed from now on (drafts
+        only once verified, in `update`), and each sequence it samples has a token pending
+        until `update`. So the next step, scheduled while this one runs (overlapped steps),
+        sees every sequence as this step leaves it."""
+        batch.launched = True
         for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.draft:
+                batch.samples.append(True)
+                continue
+            self.blocks.computed(seq, n)
+            batch.samples.append(seq.num_uncomputed == 0)
+            if seq.num_uncomputed == 0:
+                seq.num_pending += 1
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[tuple[Sequence, list[int]]]:
+        """Record a finished step, `launched` before: each sequence it sampled appends its
+        tokens (a speculative one its accepted drafts, then the one sampled after them;
+        its computed count advances by those drafts, and the blocks only rejected drafts
+        used are given back). Returns those sequences with their new tokens."""
+        if not batch.launched:
+            self.launched(batch)
+        grown = []
+        for seq, n, samples in zip(batch.seqs, batch.num_new, batch.samples):
             if seq.status is not SeqStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
-            drafted = len(seq.draft)
+                continue  # finished (aborted, or stopped by a token of the step before) while it ran
             tokens = sampled.get(seq.seq_id, [])
-            accepted = len(tokens) - 1 if drafted else 0
+            if not seq.draft:
+                if samples:
+                    seq.num_pending -= 1
+                    seq.token_ids.extend(tokens)
+                    grown.append((seq, tokens))
+                continue
+            drafted = len(seq.draft)
+            accepted = len(tokens) - 1
             seq.draft = []
             self.blocks.computed(seq, n - drafted + accepted)
             if accepted < drafted and self.blocks.trim(seq):
                 seq.sent_blocks = min(seq.sent_blocks, len(seq.block_ids))  # the next plan tells the ranks
-            if seq.num_computed - accepted == seq.num_tokens:
-                seq.token_ids.extend(tokens)
-                grown.append((seq, tokens))
+            seq.token_ids.extend(tokens)
+            grown.append((seq, tokens))
         return grown
 
     def finish(self, seq: Sequence) -> None:

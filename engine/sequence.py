@@ -31,6 +31,9 @@ class Sequence:
     """Tokens whose K/V are in the cache."""
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    num_pending: int = 0
+    """Tokens sampled by steps in flight whose values the driver has not received yet
+    (overlapped steps): they follow token_ids, and a step may already compute them."""
     # What the ranks already hold (control-plane deltas); 0 tokens: the ranks do not know it.
     sent_tokens: int = 0
     sent_blocks: int = 0
@@ -70,4 +73,5 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        """Tokens to compute: the known ones not in the cache, and any still pending."""
+        return len(self.token_ids) + self.num_pending - self.num_computed

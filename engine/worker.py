@@ -8,6 +8,7 @@ import time
 from meshserve.comm.control import WorkerChannel
 from meshserve.comm.messages import Shutdown
 from meshserve.engine.model_runner import ModelRunner
+from meshserve.engine.pending_result import resolved
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def worker_loop(runner: ModelRunner, channel: WorkerChannel) -> None:
         if isinstance(msg, Shutdown):
             log.info("rank %d: shutdown (%s)", channel.rank, msg.reason or "driver finished")
             return
-        result = runner.execute(msg)
+        result = resolved(runner.execute(msg))
         steps += 1
         if result is not None:
             channel.send_result(result)

@@ -43,6 +43,56 @@ class SamplingRow:
         return self.num_tokens - self.prompt_len
 
 
+@dataclass
+class SampledRows:
+    """A batch's sampled tokens (and the logprobs its rows asked for) where the sampler
+    left them, on the logits' device: reading them on the host waits for the step that
+    sampled them, so a caller that need not wait yet (overlapped steps) reads them later."""
+
+    tokens: torch.Tensor
+    """(rows,) int64."""
+    wants: list[int | None]
+    """Per row, the top logprobs it asked for (None: no logprobs)."""
+    logprobs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+    """The sampled tokens' logprobs (rows,), and the top max(wants) values and ids (rows, k)
+    (None when k is 0); None when no row asked."""
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Start copying to pinned host memory behind the device's queued work (CUDA); the
+        lists then wait for that copy alone, not for work queued after it."""
+        if self.tokens.device.type != "cuda":
+            return
+        self.tokens = _to_pinned(self.tokens)
+        if self.logprobs is not None:
+            self.logprobs = tuple(None if t is None else _to_pinned(t) for t in self.logprobs)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def to_lists(self) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """The tokens, and each row's TokenLogprob (None for rows that asked none), on the host."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self.tokens.tolist()
+        if self.logprobs is None:
+            return tokens, None
+        chosen, values, ids = (None if t is None else t.tolist() for t in self.logprobs)
+        out: list[TokenLogprob | None] = []
+        for i, (token, n) in enumerate(zip(tokens, self.wants)):
+            if n is None:
+                out.append(None)
+                continue
+            top = list(zip(ids[i][:n], values[i][:n])) if n else []
+            out.append(TokenLogprob(token, chosen[i], top))
+        return tokens, out
+
+
+def _to_pinned(x: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
 def argmax(x: torch.Tensor, library: CpuLibrary | None = None) -> torch.Tensor:
     """Each row's index of its largest value (the first, on ties). Float32 rows on the CPU
     take one C++ pass of `library` (cpu_norm_act.cpp), which ignores NaNs where torch would
@@ -77,6 +127,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None,
                  bitmask_rows: Sequence[int] | torch.Tensor | None = None
                  ) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """`sample`, read on the host."""
+        return self.sample(logits, rows, bitmask, bitmask_rows).to_lists()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None,
+               bitmask_rows: Sequence[int] | torch.Tensor | None = None) -> SampledRows:
         """One token per row of `logits` (modified in place), and the logprobs the rows ask
         for, taken before the mask, logit_bias and penalties. `bitmask`: a grammar's allowed
         tokens, int32 (k, ceil(vocab_size / 32)) in xgrammar's layout, for the rows
@@ -99,11 +154,13 @@ class Sampler:
             tokens = argmax(logits, self.library)
         else:
             tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
+        wants = [r.params.logprobs for r in rows]
         if logprobs is None:
-            return token_list, None
-        return token_list, [self._logprob(logprobs[i], t, r.params.logprobs)
-                            for i, (t, r) in enumerate(zip(token_list, rows))]
+            return SampledRows(tokens, wants)
+        chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+        k = max((n for n in wants if n is not None), default=0)
+        values, ids = logprobs.topk(k) if k else (None, None)
+        return SampledRows(tokens, wants, (chosen, values, ids))
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         for i, r in enumerate(rows):
@@ -165,13 +222,3 @@ class Sampler:
                 g = torch.Generator(device=logits.device).manual_seed(_row_seed(r.params.seed, r.num_tokens))
                 noise[i].exponential_(generator=g)
         return argmax(probs / noise, self.library)
-
-    @staticmethod
-    def _logprob(row: torch.Tensor, token: int, n: int | None) -> TokenLogprob | None:
-        if n is None:
-            return None
-        top = []
-        if n:
-            values, ids = row.topk(n)
-            top = list(zip(ids.tolist(), values.tolist()))
-        return TokenLogprob(token, float(row[token]), top)

@@ -37,11 +37,14 @@ class MicroBatches(Generic[Step]):
     """The driver's steps in flight, oldest first. A step is whatever the caller keeps for
     it (its batch and the executor's handle), pushed with the ids of its sequences."""
 
-    def __init__(self, count: int):
-        """`count`: steps kept in flight at once (1: no pipelining)."""
+    def __init__(self, count: int, overlapping: bool = False):
+        """`count`: steps kept in flight at once (1: no pipelining). `overlapping`: the
+        steps are one stage's, each submitted while the one before runs, and may share
+        sequences (engine/engine.py, overlapped steps); no step takes a share."""
         if count < 1:
             raise ValueError(f"micro_batches={count}: at least 1 step must be in flight")
         self.count = count
+        self.overlapping = overlapping
         self._steps: deque[tuple[Step, frozenset[int]]] = deque()
 
     def __len__(self) -> int:
@@ -57,7 +60,7 @@ class MicroBatches(Generic[Step]):
     def share(self, ready: int) -> int | None:
         """The most sequences the next step may take: an even share of the `ready` ones
         (not busy) over the free slots, at least 1; None (no limit) without pipelining."""
-        if self.count == 1:
+        if self.count == 1 or self.overlapping:
             return None
         if self.full():
             raise ValueError(f"all {self.count} micro-batches are in flight: no slot to share")
@@ -68,7 +71,7 @@ class MicroBatches(Generic[Step]):
         ids = frozenset(seq_ids)
         if self.full():
             raise ValueError(f"all {self.count} micro-batches are already in flight")
-        if ids & self.busy():
+        if ids & self.busy() and not self.overlapping:
             raise ValueError(f"seqs {sorted(ids & self.busy())} are already in a step in flight")
         self._steps.append((step, ids))
 

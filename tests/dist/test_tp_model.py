@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 
+from meshserve.comm.messages import SamplingParams
 from meshserve.parallel.topology import Topology
 from support.cpu import needs_vnni
 from support.dist import run_ranks
+from support.engine_ranks import assert_same, run_engine
 from support.reference import meshserve_logits
 from support.server import EXACT
 
@@ -71,3 +73,20 @@ def generate_cli(path, tp, prompts, max_tokens=12):
 def test_tp_greedy_tokens_match_single_rank(tiny_checkpoints, kind, tp):
     prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
     assert generate_cli(tiny_checkpoints[kind], tp, prompts) == generate_cli(tiny_checkpoints[kind], 1, prompts)
+
+
+@pytest.mark.slow
+def test_tp_overlapped_steps_give_the_tokens_of_plain_steps(tiny_checkpoints):
+    """scheduler.overlap=true at tp = 2: each step's tokens reach the other rank's device
+    (a broadcast from the sampling rank) and feed the next step there; greedy, seeded and
+    penalized requests get the tokens and logprobs they get without overlap."""
+    base = [f"model.path={tiny_checkpoints['llama']}", "parallel.tensor=2", "model.max_model_len=256",
+            "cache.memory=16MiB", "scheduler.max_batched_tokens=32"]
+    params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=18, temperature=0.8, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, repetition_penalty=1.3, logprobs=0)]
+    plain = run_ranks(run_engine, Topology(tp_size=2), [*base, "scheduler.overlap=false"], PROMPTS, params)[0]
+    overlapped = run_ranks(run_engine, Topology(tp_size=2), [*base, "scheduler.overlap=true"], PROMPTS, params)[0]
+    assert_same(overlapped[0], plain[0])
+    assert overlapped[1]["deferred_tokens"] >= sum(p.max_tokens - 2 for p in params)
+    assert plain[1]["deferred_tokens"] == 0

@@ -28,7 +28,8 @@ class CollectMode:
         if self.then is not None:
             completions += generate(engine, *self.then)
         self.results = as_results(completions)
-        self.stats = {"preemptions": engine.scheduler.num_preemptions, "steps": engine.stats.steps}
+        self.stats = {"preemptions": engine.scheduler.num_preemptions, "steps": engine.stats.steps,
+                      "deferred_tokens": engine.executor.runner.stats.deferred_tokens}
         if engine.speculator is not None:
             spec = engine.speculator.stats
             self.stats |= {"draft_tokens": spec.num_draft_tokens, "accepted_tokens": spec.num_accepted_tokens}

@@ -55,7 +55,7 @@ def test_graph_steps_equal_eager_steps(tiny_checkpoints, kind, backend):
         ids = torch.randint(0, info.vocab_size, (n,), generator=g).tolist()
         positions = [s - 1 for s in seq_lens]
         assert graphs.fits([1] * n)
-        got = graphs.run(ids, positions, seq_lens, tables).clone()
+        got = graphs.run(torch.tensor(ids), positions, seq_lens, tables).clone()
         meta = model.backend.build_metadata([1] * n, seq_lens, tables, BLOCK)
         with torch.inference_mode():
             want, _ = model(torch.tensor(ids), torch.tensor(positions), eager_kv, meta)

@@ -42,7 +42,7 @@ def test_help_and_plan_need_no_gpu():
     assert out.returncode == 0, out.stderr
     assert "decode: llama3-8b batch 32 context 4096 (512 MiB K/V)" in out.stdout
     assert "prefill: llama3-8b 1 x 2048 new tokens after 6144 cached" in out.stdout
-    assert "model: smollm2, llama-1b bf16" in out.stdout and "correctness" not in out.stdout
+    assert "model: smollm2, llama-1b, llama-8b bf16" in out.stdout and "correctness" not in out.stdout
     out = run_script("--dry-run", "--sections", "hf_model", "serving", "--models", "llama-1b")
     assert out.returncode == 0, out.stderr
     assert "hf_model: llama-1b bf16 vs transformers" in out.stdout
@@ -93,10 +93,15 @@ def test_every_section_runs_at_tiny_sizes(tiny_checkpoints, tmp_path):
     assert hf["models"]["custom"]["relative_logprob_error"] < 1e-3 and hf["models"]["custom"]["greedy_agreement"] == 1
     assert hf["models"]["custom"]["tokens_compared"] == (5 - 1 + 4) + (9 - 1 + 4)
     # a real server and `meshserve bench`: every request completed, the steps counted from /metrics
+    # with overlapped steps at each concurrency, then without at the last
     serving = r["sections"]["serving"]["rows"]
-    assert [row["concurrency"] for row in serving] == [1, 2]
+    assert [(row["concurrency"], row["overlap"]) for row in serving] == [(1, True), (2, True), (2, False)]
     assert all(row["completed"] == row["num_prompts"] == 8 and row["output_throughput"] > 0 for row in serving)
     assert all(row["steps"] > 0 and 0 < row["engine_busy"] <= 1.05 for row in serving)
+    summary = r["summary"]["custom"]
+    assert summary["concurrency"] == 2 and summary["engine_decode_tok_s"] == model[1]["decode_tok_s"]
+    assert summary["served_over_engine"] == pytest.approx(serving[1]["output_throughput"] / model[1]["decode_tok_s"])
+    assert summary["plain_served_over_engine"] > 0 and summary["decode_b1_mbu"] == model[0]["decode_mbu"]
 
 
 def test_logprob_comparison_tells_a_wrong_model(gpu_check, tiny_checkpoints):
