@@ -30,6 +30,7 @@ from meshserve.layers.loader import build_model
 from meshserve.layers.moe import FusedMoE
 from meshserve.layers.prompt_logprobs import PromptSpan
 from meshserve.layers.sampler import Sampler, SamplingRow
+from meshserve.layers.sampling_state import SamplingState
 from meshserve.parallel.context import rank_share
 from meshserve.parallel.context_attention import CPSeqStep, build_cp_metadata
 from meshserve.parallel.pipeline import StageSender
@@ -104,8 +105,6 @@ class LastSampled:
     """seq_id -> its row of `tokens` (sequences that verified no drafts)."""
     tokens: torch.Tensor
     """On the device; on every rank of the tensor-parallel group (the sampling rank's, broadcast)."""
-    result: PendingResult | None
-    """The sampling rank's result of that step (None elsewhere)."""
 
 
 class ModelRunner:
@@ -166,7 +165,8 @@ class ModelRunner:
         """What runs each step's forward (graphs, compiled, fused C++ layers or eager)."""
         self._moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         """Read for each RankStats (every STATS_INTERVAL_S on a follower): found once."""
-        self.sampler = Sampler(info.eos_token_ids, sampler_seed, library) if groups.is_sampler else None
+        self.sampler = (Sampler(info.eos_token_ids, sampler_seed, library, SamplingState(info.vocab_size, self.device))
+                        if groups.is_sampler else None)
         self.mirror = SequenceMirror(groups.cp.rank, groups.cp.size, memory.block_size)
         self.stats = RunnerStats()
         self.ready_rss_bytes = resident_memory()[0]
@@ -225,17 +225,7 @@ class ModelRunner:
         inputs.input_ids[rows] = last.tokens[src]
         self.stats.deferred_tokens += len(inputs.deferred)
 
-    def _fill_deferred(self, batch: list[ScheduledChunk]) -> None:
-        """The sampling rank's mirror: each deferred token's value, read from the previous
-        step's result, for the penalties and the seeds that read a sequence's tokens. That
-        step's sampling ran before this step's forward: the read does not wait for it."""
-        result = self._last.result.resolve()
-        value = dict(zip(result.seq_ids, result.token_ids))
-        for c in batch:
-            if c.deferred:
-                c.seq.token_ids[c.start] = value[c.seq_id]
-
-    def _keep_sampled(self, tokens: torch.Tensor | None, inputs: StepInputs, result: PendingResult | None) -> None:
+    def _keep_sampled(self, tokens: torch.Tensor | None, inputs: StepInputs) -> None:
         """Overlapped steps: keep this step's sampled tokens on the device for the next
         step's deferred rows, on every rank of the tensor-parallel group. `tokens`: the
         sampling rank's (None elsewhere)."""
@@ -246,7 +236,7 @@ class ModelRunner:
             if tokens is None:
                 tokens = torch.empty(len(inputs.sample_rows), dtype=torch.long, device=self.device)
             tokens = broadcast_from_tp(tokens.to(torch.long).contiguous(), self.groups.tp)
-        self._last = LastSampled({s: i for i, s in enumerate(inputs.sample_seq_ids)}, tokens, result)
+        self._last = LastSampled({s: i for i, s in enumerate(inputs.sample_seq_ids)}, tokens)
 
     def _prepare_cp(self, batch: list[ScheduledChunk]) -> StepInputs:
         cp = self.groups.cp
@@ -301,9 +291,10 @@ class ModelRunner:
         inputs.sample_seq_ids.append(seq_id)
         inputs.drafts.append(list(draft))
         tokens = seq.token_ids + list(draft) if draft else seq.token_ids
+        known = len(seq.token_ids)
         for j in range(len(draft) + 1):
             inputs.sample_rows.append(row + j)
-            inputs.sampling.append(SamplingRow(seq.params, len(seq.token_ids) + j, seq.prompt_len, tokens))
+            inputs.sampling.append(SamplingRow(seq.params, known + j, seq.prompt_len, tokens, seq_id, known))
 
     @staticmethod
     def _grammar_masks(masks: TokenMasks | None, seq_ids: list[int], drafts: list[list[int]],
@@ -365,6 +356,8 @@ class ModelRunner:
         start = time.perf_counter()
         if plan.kv is not None and self.kv is not None:
             self.kv.apply(plan.kv)
+        if self.sampler is not None:  # a sequence sent again in full is counted afresh
+            self.sampler.state.forget([*plan.dropped, *(n.seq_id for n in plan.new)])
         batch = self.mirror.apply(plan)
         if not batch:
             self._last = None
@@ -404,8 +397,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         result, tokens = None, None
         if self.sampler is not None:
-            if inputs.deferred:
-                self._fill_deferred(batch)
             bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, inputs.drafts, logits.device)
             sampled = self.sampler.sample(logits, inputs.sampling, bitmask, mask_rows)
             tokens = sampled.tokens
@@ -413,10 +404,12 @@ class ModelRunner:
                 token_list, logprobs = sampled.to_lists()
                 token_list, logprobs, counts = self._verify(token_list, logprobs, inputs.drafts)
                 result = StepResult(plan.step_id, inputs.sample_seq_ids, token_list, logprobs, prompt, counts)
+                self.sampler.state.record(inputs.sample_seq_ids, [tokens for _, tokens, _ in result.per_sequence()])
             else:
                 result = PendingResult(plan.step_id, inputs.sample_seq_ids, sampled, prompt)
+                self.sampler.state.record(inputs.sample_seq_ids, tokens)
         if self.overlap:
-            self._keep_sampled(tokens, inputs, result if isinstance(result, PendingResult) else None)
+            self._keep_sampled(tokens, inputs)
         elif isinstance(result, PendingResult):
             result = result.resolve()
         self.stats.sample_seconds += time.perf_counter() - forwarded

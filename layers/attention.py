@@ -233,8 +233,12 @@ class PagedAttention(nn.Module):
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta, rope=None) -> torch.Tensor:
+        """`rope`: (cos, sin) to rotate q and k by first (the backend may fuse that with its
+        cache writes); None: they are rotated already."""
         # q: (num_tokens, local_num_heads, head_dim); k, v: (num_tokens, local_num_kv_heads, head_dim)
+        if rope is not None:
+            return self.backend.rotary_attention(rope, q, k, v, kv_cache, meta, self.scale)
         return self.backend.attention(q, k, v, kv_cache, meta, self.scale)
 
 

@@ -93,6 +93,13 @@ class Backend:
         """q, k rotated by rope = (cos, sin), each (num_tokens, 1, head_dim); may work in place."""
         raise NotImplementedError
 
+    def rotary_attention(self, rope: tuple[torch.Tensor, torch.Tensor], q, k, v, kv_cache, meta: StepMetadata,
+                         scale: float) -> torch.Tensor:
+        """`attention` of q, k rotated by `rope` (as `rotary`), and v; a backend may fuse the
+        rotation with the cache writes (the Triton backend does)."""
+        q, k = self.rotary(rope, q, k)
+        return self.attention(q, k, v, kv_cache, meta, scale)
+
     silu_and_mul = staticmethod(activation.silu_and_mul)
     """x (num_tokens, 2n) = [gate, up] -> silu(gate) * up."""
 

@@ -68,8 +68,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.local_num_heads, self.head_dim)  # (num_tokens, local_num_heads, head_dim)
         k = k.view(-1, self.local_num_kv_heads, self.head_dim)  # (num_tokens, local_num_kv_heads, head_dim)
         v = v.view(-1, self.local_num_kv_heads, self.head_dim)
-        q, k = self.backend.rotary(rope, *self.norm_heads(q, k))
-        out = self.attn(q, k, v, kv_cache, meta)
+        q, k = self.norm_heads(q, k)
+        out = self.attn(q, k, v, kv_cache, meta, rope)
         return self.o_proj(out.flatten(1))  # (num_tokens, hidden_size)
 
 

@@ -27,6 +27,7 @@ from meshserve.layers.kernels.cpu_library import CpuLibrary
 
 if TYPE_CHECKING:
     from meshserve.layers.sampler import SamplingRow
+    from meshserve.layers.sampling_state import StepRows
 
 _BITS = 32
 """Tokens per int32 word of a grammar bitmask (xgrammar's layout)."""
@@ -38,12 +39,17 @@ def uses_processors(params: SamplingParams) -> bool:
                 or params.presence_penalty or params.min_p)
 
 
-def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def apply_processors(logits: torch.Tensor, rows: list[SamplingRow], state: StepRows | None = None) -> None:
     """logit_bias, repetition_penalty, frequency/presence penalties and min_p, in place, on
-    the rows of `logits` (num_rows, vocab_size) whose params ask for them."""
+    the rows of `logits` (num_rows, vocab_size) whose params ask for them. `state`: the
+    rows' token counts kept on the device (layers/sampling_state.py), which the penalties
+    then read instead of the rows' token lists."""
     apply_logit_bias(logits, rows)
-    apply_repetition_penalty(logits, rows)
-    apply_output_penalties(logits, rows)
+    if state is None:
+        apply_repetition_penalty(logits, rows)
+        apply_output_penalties(logits, rows)
+    elif state.penalties is not None:
+        state.penalties.apply(logits)
     apply_min_p(logits, rows)
 
 

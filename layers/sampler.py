@@ -24,6 +24,7 @@ from meshserve.comm.messages import SamplingParams, TokenLogprob
 from meshserve.layers.kernels.cpu_library import CpuLibrary
 from meshserve.layers.logits_processors import (apply_processors, apply_token_bitmask, check_bitmask,
                                                 uses_processors)
+from meshserve.layers.sampling_state import SamplingState, StepRows
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -37,6 +38,11 @@ class SamplingRow:
     token_ids: list[int]
     """The sequence's prompt and output so far (its first num_tokens): the caller's list,
     not a copy, read by the penalties."""
+    seq_id: int = -1
+    """The sequence, for a Sampler with a SamplingState (-1: none; the lists are read)."""
+    base: int = -1
+    """The sequence's own tokens (-1: num_tokens); a speculative row's drafts lie between
+    this and num_tokens."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -113,11 +119,15 @@ def _row_seed(seed: int, num_tokens: int) -> int:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...], seed: int | None = None, library: CpuLibrary | None = None):
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int | None = None, library: CpuLibrary | None = None,
+                 state: SamplingState | None = None):
         """`library`: the C++ CPU kernels that sample, mask and take the argmax of float32
-        rows on the CPU (cpu_library.load); None: torch ops."""
+        rows on the CPU (cpu_library.load); None: torch ops. `state`: the sequences'
+        parameters and token counts kept on the device between steps, read for rows that
+        name their sequence (the caller records each step's tokens in it)."""
         self.eos_token_ids = list(eos_token_ids)
         self.library = library
+        self.state = state
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -143,17 +153,22 @@ class Sampler:
         if bitmask is not None and bitmask.shape[0]:
             mask_rows = check_bitmask(bitmask, bitmask_rows, logits.shape[0]).to(logits.device)
             fallback = argmax(logits, self.library)[mask_rows]  # every row's: cheaper than copying the masked ones
+        state = None
+        if self.state is not None and rows and all(r.seq_id >= 0 for r in rows):
+            state = self.state.step([r.seq_id for r in rows], [r.params for r in rows], [r.token_ids for r in rows],
+                                    [r.prompt_len for r in rows], [r.base if r.base >= 0 else r.num_tokens for r in rows],
+                                    [r.num_tokens for r in rows])
         self._apply_min_tokens(logits, rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if mask_rows is not None:
             apply_token_bitmask(logits, bitmask, mask_rows, fallback, self.library)
         if any(uses_processors(r.params) for r in rows):
-            apply_processors(logits, rows)
+            apply_processors(logits, rows, state)
         if all(r.params.greedy for r in rows):
             tokens = argmax(logits, self.library)
         else:
-            tokens = self._sample(logits, rows)
+            tokens = self._sample(logits, rows, state)
         wants = [r.params.logprobs for r in rows]
         if logprobs is None:
             return SampledRows(tokens, wants)
@@ -169,51 +184,60 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], state: StepRows | None) -> torch.Tensor:
         if native_sampling(logits, self.library):
-            return self._sample_native(logits, rows)
-        return self._sample_torch(logits, rows)
+            return self._sample_native(logits, rows, state)
+        return self._sample_torch(logits, rows, state)
 
-    def _sample_native(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _knobs(self, rows: list[SamplingRow], state: StepRows | None, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's temperature, top_k and top_p: gathered from the state's slots, else
+        built from the rows."""
+        if state is not None:
+            s = self.state
+            return s.temperature[state.slots], s.top_k[state.slots], s.top_p[state.slots]
+        params = [r.params for r in rows]
+        return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+
+    def _sample_native(self, logits: torch.Tensor, rows: list[SamplingRow], state: StepRows | None) -> torch.Tensor:
         uniform = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 g = torch.Generator().manual_seed(_row_seed(r.params.seed, r.num_tokens))
                 uniform[i] = torch.rand(1, generator=g, dtype=torch.float64)
-        params = [r.params for r in rows]
-        return self.library.ops.sample_rows(logits.contiguous(),
-                                            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-                                            torch.tensor([p.top_k for p in params], dtype=torch.long),
-                                            torch.tensor([p.top_p for p in params], dtype=torch.float32), uniform)
+        temperature, top_k, top_p = self._knobs(rows, state, logits.device)
+        return self.library.ops.sample_rows(logits.contiguous(), temperature, top_k, top_p, uniform)
 
-    def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow], state: StepRows | None) -> torch.Tensor:
         """The torch-op path; its greedy rows take the argmax afterwards (the C++ op takes
         it itself for temperature 0)."""
-        tokens = self._race(logits, rows)
+        tokens = self._race(logits, rows, state)
         greedy = [r.params.greedy for r in rows]
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy, device=logits.device), argmax(logits, self.library), tokens)
         return tokens
 
-    def _race(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
+    def _race(self, logits: torch.Tensor, rows: list[SamplingRow], state: StepRows | None) -> torch.Tensor:
+        temperature, top_k_t, top_p_t = self._knobs(rows, state, logits.device)
+        temps = torch.where(temperature == 0, 1.0, temperature)
         scaled = logits / temps.unsqueeze(1)
         top_k = [r.params.top_k for r in rows]
         if any(top_k):
             k_max = min(max(top_k), scaled.shape[-1])
             kth = scaled.topk(k_max, dim=-1).values
-            k = torch.tensor([min(k, k_max) - 1 if k else k_max - 1 for k in top_k], device=logits.device)
+            limited = top_k_t > 0
+            k = torch.where(limited, top_k_t.clamp(max=k_max), k_max) - 1
             threshold = kth.gather(1, k.unsqueeze(1))
-            limited = torch.tensor([bool(k) for k in top_k], device=logits.device).unsqueeze(1)
-            scaled = scaled.masked_fill(limited & (scaled < threshold), float("-inf"))
-        top_p = [r.params.top_p for r in rows]
-        if any(p < 1.0 for p in top_p):
+            scaled = scaled.masked_fill(limited.unsqueeze(1) & (scaled < threshold), float("-inf"))
+        if any(r.params.top_p < 1.0 for r in rows):
             sorted_logits, order = scaled.sort(dim=-1, descending=True)
             probs = sorted_logits.softmax(dim=-1)
             # drop a token when the tokens ranked above it already reach top_p
-            drop = (probs.cumsum(dim=-1) - probs) > torch.tensor(top_p, device=logits.device).unsqueeze(1)
+            drop = (probs.cumsum(dim=-1) - probs) > top_p_t.unsqueeze(1)
             # rows without top-p keep every token (a float32 cumsum can pass 1.0 in the tail)
-            drop &= torch.tensor([p < 1.0 for p in top_p], device=logits.device).unsqueeze(1)
+            drop &= (top_p_t < 1.0).unsqueeze(1)
             scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)

@@ -20,7 +20,7 @@ from meshserve.layers.kernels.fused_moe import fused_moe
 from meshserve.layers.kernels.decode_attention import block_n_for, choose_num_splits, paged_decode_attention
 from meshserve.layers.kernels.prefill_attention import prefill_attention
 from meshserve.layers.kernels.rms_norm import rms_norm
-from meshserve.layers.kernels.rotary import rotary_
+from meshserve.layers.kernels.rotary import rotary_, rotary_store_
 
 
 @dataclass
@@ -119,6 +119,17 @@ class TritonBackend(Backend):
         kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def rotary_attention(self, rope, q, k, v, kv_cache, meta: TritonMetadata, scale):
+        """Rotary and the cache writes in one kernel (rotary_store_), then attention."""
+        rotary_store_(q, k, v, *rope, *kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def _attend(self, q, kv_cache, meta: TritonMetadata, scale):
+        """Attention over the cache, which already holds the step's keys and values."""
+        k_cache, v_cache = kv_cache
+        kv_heads = k_cache.shape[2]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if len(meta.decode_rows):
             paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,

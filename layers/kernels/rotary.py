@@ -3,7 +3,9 @@ Face Llama): for each head, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), comp
 float32 and rounded once.
 
 One program per token rotates every query and key head of that token; q and k may be
-strided views (the slices of one fused QKV projection).
+strided views (the slices of one fused QKV projection). `rotary_store_` also stores the
+step's keys and values in the paged KV cache: one kernel where rotary and the two cache
+writes were three.
 """
 
 from __future__ import annotations
@@ -55,3 +57,58 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                              sin.stride(0), q.shape[1], k.shape[1], HALF=half, BLOCK_HALF=next_power_of_2(half),
                              BLOCK_QH=next_power_of_2(q.shape[1]), BLOCK_KH=next_power_of_2(k.shape[1]))
     return q, k
+
+
+@triton.jit
+def _store_rotated(K, V, KC, VC, row, slot, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+                   n_heads, c, s, offs_h, offs_d, HALF: tl.constexpr):
+    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
+    k = K + row * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    x1 = tl.load(k, mask=mask, other=0.0)
+    x2 = tl.load(k + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    cache = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(KC + cache, (a * c - b * s).to(x1.dtype), mask=mask)
+    tl.store(KC + cache + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+    v = V + row * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    tl.store(VC + cache, tl.load(v, mask=mask, other=0.0), mask=mask)
+    tl.store(VC + cache + HALF, tl.load(v + HALF, mask=mask, other=0.0), mask=mask)
+
+
+@triton.jit
+def _rotary_store_kernel(Q, K, V, KC, VC, COS, SIN, SLOTS, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_ct, stride_st, stride_cs, stride_ch, n_q_heads, n_k_heads,
+                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
+                         BLOCK_KH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    c = tl.load(COS + row * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(SIN + row * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate(Q, row, stride_qt, stride_qh, n_q_heads, c, s, tl.arange(0, BLOCK_QH), offs_d, HALF)
+    slot = tl.load(SLOTS + row).to(tl.int64)
+    _store_rotated(K, V, KC, VC, row, slot, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+                   n_k_heads, c, s, tl.arange(0, BLOCK_KH), offs_d, HALF)
+
+
+def rotary_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotates q in place (as rotary_), and stores the rotated k and v at the cache slots
+    `slot_mapping` (num_tokens,): k_cache, v_cache (num_blocks, block_size, num_kv_heads,
+    head_dim), slot = block * block_size + offset. k itself is left as it was. Returns q."""
+    head_dim = q.shape[-1]
+    if head_dim % 2 or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache)):
+        raise ValueError("rotary_store_ needs an even head_dim and a contiguous last dimension")
+    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype or k_cache.stride() != v_cache.stride():
+        raise ValueError("rotary_store_ needs k, v and caches of one dtype, and caches of one layout")
+    if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
+        raise ValueError("rotary_store_ needs a cache whose slots are evenly strided")
+    n = q.shape[0]
+    if n:
+        half = head_dim // 2
+        _rotary_store_kernel[(n,)](q, k, v, k_cache, v_cache, cos, sin, slot_mapping, q.stride(0), q.stride(1),
+                                   k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+                                   k_cache.stride(1), k_cache.stride(2), q.shape[1], k.shape[1], HALF=half,
+                                   BLOCK_HALF=next_power_of_2(half), BLOCK_QH=next_power_of_2(q.shape[1]),
+                                   BLOCK_KH=next_power_of_2(k.shape[1]))
+    return q

@@ -275,6 +275,41 @@ def check_rotary(dtype, device, heads: int, kv_heads: int, head_dim: int, seed: 
             ("v untouched", err(v, before[:, (heads + kv_heads) * head_dim:]), 0.0)]
 
 
+def check_rotary_store(dtype, device, block_size: int, heads: int, kv_heads: int, head_dim: int = 16,
+                       seed: int = 6) -> list[Row]:
+    """TritonBackend.rotary_attention (rotary and the cache writes in one kernel) on a mixed
+    step, q/k/v slices of one QKV output: the same cache and output as rotary_ then attention
+    (the same rounding steps), and the output vs float64 math on the rotated inputs."""
+    from meshserve.layers.kernels.rotary import rotary_
+    from meshserve.layers.rotary import RotaryEmbedding
+    from meshserve.layers.triton_backend import TritonBackend
+
+    ql, sl = STEP["query_lens"], STEP["seq_lens"]
+    q, k, v, kc, vc, tables = paged_step(ql, sl, block_size, heads, kv_heads, head_dim, dtype, device, seed)
+    n = q.shape[0]
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q, k, v = (x.view(n, -1, head_dim) for x in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                           kv_heads * head_dim], dim=-1))
+    positions = torch.tensor([p for q_len, s_len in zip(ql, sl) for p in range(s_len - q_len, s_len)], device=device)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0).to(device).lookup(positions, dtype)
+    backend, scale = TritonBackend(), head_dim ** -0.5
+    meta = backend.build_metadata(ql, sl, tables, block_size, device)
+    fused_cache = (kc.clone(), vc.clone())
+    k_before = k.clone()
+    fused_q = q.clone()
+    out = backend.rotary_attention(rope, fused_q, k, v, fused_cache, meta, scale)
+    plain_cache = (kc.clone(), vc.clone())
+    plain_q, plain_k = rotary_(q.clone(), k.clone(), *rope)
+    want = backend.attention(plain_q, plain_k, v, plain_cache, meta, scale)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    store(ref_k, ref_v, plain_k, v, ql, sl, tables, block_size)
+    math_out, _ = causal_reference(plain_q, ref_k, ref_v, ql, sl, tables, scale)
+    return [("k cache vs rotary_ + store", err(fused_cache[0], plain_cache[0]), 0.0),
+            ("v cache", err(fused_cache[1], plain_cache[1]), 0.0),
+            ("q rotated in place", err(fused_q, plain_q), 0.0), ("k untouched", err(k, k_before), 0.0),
+            ("out vs unfused", err(out, want), 0.0), ("out vs math", err(out, math_out), OUT_TOL[dtype])]
+
+
 KERNEL_CHECKS = {
     # name: (function, keyword arguments)
     "step bs4 gqa2": (check_attention_step, dict(block_size=4, heads=4, kv_heads=2)),
@@ -291,6 +326,8 @@ KERNEL_CHECKS = {
     "rms_norm 100": (check_rms_norm, dict(hidden=100)),
     "rotary gqa2 d16": (check_rotary, dict(heads=4, kv_heads=2, head_dim=16)),
     "rotary h3 d64": (check_rotary, dict(heads=3, kv_heads=1, head_dim=64)),
+    "rotary + store bs4 gqa2": (check_rotary_store, dict(block_size=4, heads=4, kv_heads=2)),
+    "rotary + store bs16 h3 d64": (check_rotary_store, dict(block_size=16, heads=3, kv_heads=1, head_dim=64)),
 }
 
 
