@@ -25,6 +25,7 @@ import logging
 import time
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -122,12 +123,22 @@ class DecodeGraphs:
         self.replays = 0
         self.capture_seconds = 0.0
 
-    def _metadata(self, seq_lens: list[int], block_tables: list[list[int]]):
-        tables = [t[: self.width] + [self.scratch_block] * (self.width - len(t[: self.width])) for t in block_tables]
+    def _metadata(self, seq_lens: list[int], block_tables: list[list[int]] | np.ndarray):
+        """`block_tables`: lists, or the rows of the runner's persistent tables (the Triton
+        backend's, which reads each row only up to its sequence's blocks)."""
+        if isinstance(block_tables, np.ndarray):
+            tables = np.full((len(block_tables), self.width), self.scratch_block, dtype=np.int64)
+            width = min(self.width, block_tables.shape[1])
+            tables[:, :width] = block_tables[:, :width]
+        else:
+            tables = [t[: self.width] + [self.scratch_block] * (self.width - len(t[: self.width])) for t in block_tables]
         return self.model.backend.build_metadata([1] * len(seq_lens), seq_lens, tables, self.block_size, self.device)
 
-    def _padded(self, size: int, seq_lens: list[int], block_tables: list[list[int]]):
+    def _padded(self, size: int, seq_lens: list[int], block_tables: list[list[int]] | np.ndarray):
         pad = size - len(seq_lens)
+        if isinstance(block_tables, np.ndarray):
+            return seq_lens + [1] * pad, np.concatenate(
+                [block_tables, np.full((pad, block_tables.shape[1]), self.scratch_block, dtype=np.int64)])
         return seq_lens + [1] * pad, block_tables + [[self.scratch_block]] * pad
 
     @torch.inference_mode()

@@ -15,6 +15,7 @@ from meshserve.comm.collectives import broadcast_from_tp, recv_from_prev_stage, 
 from meshserve.comm.messages import RankStats, SamplingParams, StepPlan, StepResult, TokenLogprob, TokenMasks
 from meshserve.configs.memory import MemoryPlan, stage_layer_range
 from meshserve.configs.model_info import ModelInfo
+from meshserve.engine.block_tables import BlockTables
 from meshserve.engine.decode_path import DecodePath
 from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
@@ -163,6 +164,9 @@ class ModelRunner:
                                  memory.max_model_len, self.device, compile_decode=compile_decode,
                                  compile_in_background=compile_in_background, decode_graphs=decode_graphs)
         """What runs each step's forward (graphs, compiled, fused C++ layers or eager)."""
+        self.block_tables = (BlockTables(-(-memory.max_model_len // memory.block_size))
+                             if self.model.backend.name == "triton" and groups.cp.size == 1 else None)
+        """The Triton backend's block tables, kept between steps (engine/block_tables.py)."""
         self._moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         """Read for each RankStats (every STATS_INTERVAL_S on a follower): found once."""
         self.sampler = (Sampler(info.eos_token_ids, sampler_seed, library, SamplingState(info.vocab_size, self.device))
@@ -207,6 +211,8 @@ class ModelRunner:
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         if inputs.deferred:
             self._take_deferred(inputs)
+        if self.block_tables is not None:
+            block_tables = self.block_tables.rows([c.seq_id for c in batch], block_tables)
         if not inputs.prompt_spans and self.decode.replays(query_lens):
             inputs.graph_step = (inputs.input_ids, positions, seq_lens, block_tables)
             return inputs
@@ -358,6 +364,8 @@ class ModelRunner:
             self.kv.apply(plan.kv)
         if self.sampler is not None:  # a sequence sent again in full is counted afresh
             self.sampler.state.forget([*plan.dropped, *(n.seq_id for n in plan.new)])
+        if self.block_tables is not None:
+            self.block_tables.apply(plan)
         batch = self.mirror.apply(plan)
         if not batch:
             self._last = None

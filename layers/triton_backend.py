@@ -2,8 +2,8 @@
 
 Per step it needs the decode sequences (block tables, context lengths, their rows of the
 flat batch) and the prefill chunks (first row, query length, tokens in the cache, block
-table), all as one int64 tensor built on the host and copied to the device in one
-transfer. A step's attention is then at most two launches (decode, prefill) per layer
+table), all as one int64 tensor computed by numpy on the host and copied to the device in
+one transfer. A step's attention is then at most two launches (decode, prefill) per layer
 whatever the mix of sequences, plus the KV-cache store.
 """
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
-from meshserve.layers.attention import DECODE_ROWS, starts_and_slots
+from meshserve.layers.attention import DECODE_ROWS
 from meshserve.layers.backend import Backend
 from meshserve.layers.kernels.fused_moe import fused_moe
 from meshserve.layers.kernels.decode_attention import block_n_for, choose_num_splits, paged_decode_attention
@@ -67,42 +68,68 @@ ALIGN_ELEMENTS = 2
 """int64 elements in 16 bytes, the alignment Triton specializes pointers on."""
 
 
-def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-                          device: torch.device | str) -> TritonMetadata:
+def as_table(block_tables: list[list[int]] | np.ndarray) -> np.ndarray:
+    """Block tables as one int64 (num_seqs, width) array, rows padded with block 0 (an array
+    is taken as it is: the runner's rows of its persistent tables, engine/block_tables.py)."""
+    if isinstance(block_tables, np.ndarray):
+        return block_tables
+    width = max((len(t) for t in block_tables), default=0)
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    for row, t in zip(table, block_tables):
+        row[:len(t)] = t
+    return table
+
+
+def build_triton_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]] | np.ndarray,
+                          block_size: int, device: torch.device | str) -> TritonMetadata:
+    """The step's metadata, computed by numpy over per-sequence arrays (no Python loop over
+    the tokens or the blocks) and copied to the device in one transfer. `block_tables`: a
+    list per sequence, or the (num_seqs, width) rows of the runner's persistent tables
+    (entries past a sequence's blocks are ignored)."""
     device = torch.device(device)
-    starts, slots = starts_and_slots(query_lens, seq_lens, block_tables, block_size)
+    table = as_table(block_tables)
+    q_lens, s_lens = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+    starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=starts[1:])
+    token_seq = np.repeat(np.arange(len(q_lens)), q_lens)
+    positions = (s_lens - q_lens)[token_seq] + np.arange(starts[-1]) - starts[token_seq]
+    slots = table[token_seq, positions // block_size] * block_size + positions % block_size
     # As the torch backend: each token of a decode, or of a short chunk after a cached prefix
     # (DECODE_ROWS), is a decode row attending to the cache up to its own position.
-    as_rows = [q == 1 or (q <= DECODE_ROWS and s > q) for q, s in zip(query_lens, seq_lens)]
-    decodes = [(starts[i] + j, seq_lens[i] - q + j + 1, i) for i, q in enumerate(query_lens) if as_rows[i]
-               for j in range(q)]
-    prefills = [i for i in range(len(query_lens)) if not as_rows[i]]
+    as_rows = (q_lens == 1) | ((q_lens <= DECODE_ROWS) & (s_lens > q_lens))
+    decode_rows = np.flatnonzero(as_rows[token_seq])
+    decode_seqs = token_seq[decode_rows]
+    decode_lens = positions[decode_rows] + 1
+    prefills = np.flatnonzero(~as_rows)
 
-    def padded(rows: list[int]) -> tuple[list[int], int]:
-        tables = [block_tables[i][: -(-seq_lens[i] // block_size)] for i in rows]
-        width = max((len(t) for t in tables), default=0)
-        return [b for t in tables for b in t + [0] * (width - len(t))], width
+    def padded(seqs: np.ndarray) -> np.ndarray:
+        used = -(-s_lens[seqs] // block_size)
+        width = int(used.max()) if len(seqs) else 0
+        rows = table[seqs, :width]
+        return np.where(np.arange(width)[None, :] < used[:, None], rows, 0)
 
-    d_tables, d_width = padded([i for _, _, i in decodes])
-    p_tables, p_width = padded(prefills)
-    parts = [slots, [row for row, _, _ in decodes], d_tables, [n for _, n, _ in decodes],
-             [starts[i] for i in prefills], [query_lens[i] for i in prefills], [seq_lens[i] for i in prefills],
-             p_tables]
+    d_tab, p_tab = padded(decode_seqs), padded(prefills)
+    parts = [slots, decode_rows, d_tab.ravel(), decode_lens, starts[prefills], q_lens[prefills], s_lens[prefills],
+             p_tab.ravel()]
     # Every part starts on 16 bytes: Triton specializes a kernel on its pointers' alignment, and
     # parts at odd offsets compiled extra variants of the attention kernels mid-serving (a
     # noticeable stall each, paid by whichever request first met that alignment).
     sizes = [len(p) for p in parts]
     aligned = [-(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS for n in sizes]
-    flat = torch.tensor([x for p, n in zip(parts, aligned) for x in [*p, *[0] * (n - len(p))]], dtype=torch.long)
+    packed = np.zeros(sum(aligned), dtype=np.int64)
+    at = 0
+    for part, n in zip(parts, aligned):
+        packed[at:at + len(part)] = part
+        at += n
+    flat = torch.from_numpy(packed)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    (slot_mapping, d_rows, d_tab, d_lens, p_starts, p_qlens, p_slens, p_tab) = (
+    (slot_mapping, d_rows, d_flat, d_lens, p_starts, p_qlens, p_slens, p_flat) = (
         part[:n] for part, n in zip(flat.split(aligned), sizes))
-    return TritonMetadata(slot_mapping, starts,
-                          d_rows, d_tab.view(len(decodes), d_width), d_lens,
-                          max((n for _, n, _ in decodes), default=0),
-                          p_starts, p_qlens, p_slens, p_tab.view(len(prefills), p_width),
-                          max((query_lens[i] for i in prefills), default=0))
+    return TritonMetadata(slot_mapping, starts.tolist(),
+                          d_rows, d_flat.view(d_tab.shape), d_lens, int(decode_lens.max()) if len(decode_lens) else 0,
+                          p_starts, p_qlens, p_slens, p_flat.view(p_tab.shape),
+                          int(q_lens[prefills].max()) if len(prefills) else 0)
 
 
 class TritonBackend(Backend):
