@@ -153,9 +153,10 @@ class BlockManager:
         seq.num_registered = full * self.unit
 
     def register(self, seq: Sequence) -> None:
-        """Offer `seq`'s full computed blocks to the prefix cache (after `admit(register=False)`)."""
+        """Offer `seq`'s full computed blocks of known tokens to the prefix cache (after
+        `admit(register=False)`, and as an overlapped step's pending tokens become known)."""
         if self.prefix_caching:
-            self._register(seq, seq.num_computed)
+            self._register(seq, min(seq.num_computed, seq.num_tokens))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block; returns how many. Safe while requests run: the blocks

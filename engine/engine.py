@@ -56,7 +56,8 @@ class EngineObserver(Protocol):
         """A request finished or was aborted."""
 
     def on_step(self, batch: ScheduledBatch, context_lens: list[int], seconds: float) -> None:
-        """A step finished: each sequence's tokens in context after it, and the step's wall time."""
+        """A step finished: each sequence's tokens in context after it, and the step's wall
+        time (overlapped steps: its submit, the wait for its tokens and their processing)."""
 
     def on_verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """`seq` verified `drafted` proposed tokens in a step and kept `accepted` of them."""
@@ -73,6 +74,8 @@ class InFlight:
     handle: Any
     context_lens: list[int]
     """Each sequence's tokens in context once the step has run."""
+    submit_seconds: float = 0.0
+    """How long its submit took (on the CPU, the whole step: the kernels run in it)."""
 
 
 class Engine:
@@ -194,6 +197,7 @@ class Engine:
         if not self._in_flight:
             return self._take_events()
         done = self._in_flight.pop()
+        waited = time.perf_counter()
         result = self.executor.wait(done.handle)
         executed = time.perf_counter()
         per_seq = result.per_sequence()
@@ -225,7 +229,9 @@ class Engine:
         if self.speculator is not None:
             self.speculator.step_done(done.batch.num_tokens, end - start)
         if self.observer is not None:
-            self.observer.on_step(done.batch, context_lens, end - start)
+            # overlapped: the next step's scheduling, done meanwhile, is not this step's time
+            seconds = done.submit_seconds + end - waited if self.overlap else end - start
+            self.observer.on_step(done.batch, context_lens, seconds)
         return out
 
     def _append(self, state: RequestState, tokens: list[int], logprobs: list | None) -> Delta | None:
@@ -285,7 +291,9 @@ class Engine:
             context_lens = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)]
             self.scheduler.launched(batch)
             self.stats.schedule_seconds += time.perf_counter() - started
-            self._in_flight.push(InFlight(batch, self.executor.submit(plan), context_lens),
+            submitted = time.perf_counter()
+            handle = self.executor.submit(plan)
+            self._in_flight.push(InFlight(batch, handle, context_lens, time.perf_counter() - submitted),
                                  (s.seq_id for s in batch.seqs))
             if plan.kv is not None and plan.kv.land:
                 self._land(plan.kv.land)

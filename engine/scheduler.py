@@ -189,6 +189,7 @@ class Scheduler:
                 if samples:
                     seq.num_pending -= 1
                     seq.token_ids.extend(tokens)
+                    self.blocks.register(seq)  # a block the next step computed while this token was pending
                     grown.append((seq, tokens))
                 continue
             drafted = len(seq.draft)

@@ -197,3 +197,40 @@ def test_auto_is_on_for_cuda_only_and_true_is_refused_where_it_cannot_run(tiny_c
         check_config(config(path, "scheduler.overlap=true", "parallel.pipeline=2"))
     with pytest.raises(ConfigError, match=r"scheduler.overlap=true .*parallel.context=2"):
         check_config(config(path, "scheduler.overlap=true", "parallel.context=2"))
+
+
+def test_prefix_caching_keeps_the_blocks_a_pending_token_completed(tiny_checkpoints):
+    """A block the step after a pending token filled is offered to the prefix cache once that
+    token is known: a second turn that resends the history finds as many cached tokens as
+    without overlap (the answer's last full block included)."""
+    off, on = both(tiny_checkpoints["llama"], "cache.block_size=4")
+    system = list(range(500, 542))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for engine in (off, on):
+        first = generate(engine, [system + [7, 8, 9]], params)[0]
+        history = system + [7, 8, 9] + first.token_ids
+        second = generate(engine, [history + [31, 32]], params)[0]
+        engine.turns = (first.token_ids, second.token_ids, second.usage.cached_tokens)
+    assert on.turns == off.turns and off.turns[2] == 52  # 13 blocks: prompt and 7 answer tokens
+    assert on.scheduler.blocks.hit_tokens == off.scheduler.blocks.hit_tokens
+
+
+def test_each_overlapped_step_reports_the_time_it_ran(tiny_checkpoints):
+    """The observer's step seconds (MFU, MBU, engine busy): on the CPU a step's kernels run in
+    its submit, and the last step's result is only read by the call after it; that call's
+    own time alone would make the last step look free (and its MFU huge)."""
+
+    class Steps:
+        seconds: list[float] = []
+
+        def __getattr__(self, name):
+            return lambda *args: None
+
+        def on_step(self, batch, context_lens, seconds):
+            self.seconds.append(seconds)
+
+    engine = make_engine(tiny_checkpoints["llama"], "scheduler.overlap=true")
+    engine.observer = Steps()
+    generate(engine, PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    seconds = sorted(engine.observer.seconds[1:])  # the first step is the prefill
+    assert len(seconds) == 11 and seconds[0] > 0.3 * seconds[len(seconds) // 2]
