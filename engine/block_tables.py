@@ -10,27 +10,25 @@ from __future__ import annotations
 import numpy as np
 
 from meshserve.comm.messages import StepPlan
+from meshserve.layers.slot_pool import SlotPool
 
 
 class BlockTables:
     def __init__(self, width: int, rows: int = 16):
         """`width`: the most blocks a sequence holds (the table widens if one holds more)."""
         self.table = np.zeros((rows, max(1, width)), dtype=np.int64)
-        self._row_of: dict[int, int] = {}
+        self._rows = SlotPool(rows)
         self._written: dict[int, int] = {}
         """Entries of each sequence's row that hold its blocks."""
-        self._free = list(range(rows - 1, -1, -1))
 
     def __len__(self) -> int:
-        return len(self._row_of)
+        return len(self._rows.of)
 
     def apply(self, plan: StepPlan) -> None:
         """Before the plan's step: forget the sequences it drops or sends whole (their rows
         are written afresh), and cut each row the plan cuts (speculative drafts rejected)."""
         for seq_id in (*plan.dropped, *(n.seq_id for n in plan.new)):
-            row = self._row_of.pop(seq_id, None)
-            if row is not None:
-                self._free.append(row)
+            if self._rows.drop(seq_id):
                 del self._written[seq_id]
         for d in plan.running:
             if d.num_blocks >= 0 and d.seq_id in self._written:
@@ -41,9 +39,12 @@ class BlockTables:
         blocks past those its row holds (`block_ids`: each sequence's whole list)."""
         index = np.empty(len(seq_ids), dtype=np.int64)
         for i, (seq_id, blocks) in enumerate(zip(seq_ids, block_ids)):
-            row = self._row_of.get(seq_id)
+            row = self._rows.of.get(seq_id)
             if row is None:
-                row = self._take(seq_id)
+                row, grew = self._rows.take(seq_id)
+                if grew:
+                    self.table = np.pad(self.table, ((0, self._rows.size - len(self.table)), (0, 0)))
+                self._written[seq_id] = 0
             written = self._written[seq_id]
             if len(blocks) > written:
                 if len(blocks) > self.table.shape[1]:
@@ -52,13 +53,3 @@ class BlockTables:
             self._written[seq_id] = len(blocks)
             index[i] = row
         return self.table[index]
-
-    def _take(self, seq_id: int) -> int:
-        if not self._free:
-            old = len(self.table)
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self._free = list(range(len(self.table) - 1, old - 1, -1))
-        row = self._free.pop()
-        self._row_of[seq_id] = row
-        self._written[seq_id] = 0
-        return row

@@ -155,9 +155,7 @@ class Sampler:
             fallback = argmax(logits, self.library)[mask_rows]  # every row's: cheaper than copying the masked ones
         state = None
         if self.state is not None and rows and all(r.seq_id >= 0 for r in rows):
-            state = self.state.step([r.seq_id for r in rows], [r.params for r in rows], [r.token_ids for r in rows],
-                                    [r.prompt_len for r in rows], [r.base if r.base >= 0 else r.num_tokens for r in rows],
-                                    [r.num_tokens for r in rows])
+            state = self.state.step(rows)
         self._apply_min_tokens(logits, rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

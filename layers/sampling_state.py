@@ -15,43 +15,19 @@ then (a deferred token only ever follows a sampled one, which the counts already
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshserve.comm.messages import SamplingParams
+from meshserve.layers.slot_pool import SlotPool
 
-_INITIAL_SLOTS = 16
-
+if TYPE_CHECKING:
+    from meshserve.layers.sampler import SamplingRow
 
 def penalized(params: SamplingParams) -> bool:
     """Whether `params` read the sequence's tokens (and so keep counts)."""
     return bool(params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty)
-
-
-class _Slots:
-    """Slot numbers for keys, reused once freed; grows by doubling (the caller grows its tensors)."""
-
-    def __init__(self) -> None:
-        self.of: dict[int, int] = {}
-        self._free: list[int] = []
-        self.size = 0
-
-    def take(self, key: int) -> tuple[int, bool]:
-        """`key`'s new slot, and whether the tensors must grow to `size` first."""
-        grew = False
-        if not self._free:
-            old = self.size
-            self.size = max(_INITIAL_SLOTS, 2 * old)
-            self._free = list(range(self.size - 1, old - 1, -1))
-            grew = True
-        slot = self._free.pop()
-        self.of[key] = slot
-        return slot, grew
-
-    def drop(self, key: int) -> None:
-        slot = self.of.pop(key, None)
-        if slot is not None:
-            self._free.append(slot)
 
 
 @dataclass
@@ -93,11 +69,11 @@ class StepRows:
 class SamplingState:
     def __init__(self, vocab_size: int, device: torch.device | str):
         self.vocab_size, self.device = vocab_size, torch.device(device)
-        self._params = _Slots()
+        self._params = SlotPool()
         self.temperature = torch.empty(0, dtype=torch.float32, device=self.device)
         self.top_k = torch.empty(0, dtype=torch.long, device=self.device)
         self.top_p = torch.empty(0, dtype=torch.float32, device=self.device)
-        self._counted = _Slots()
+        self._counted = SlotPool()
         self.repetition = torch.empty(0, dtype=torch.float32, device=self.device)
         self.frequency = torch.empty(0, dtype=torch.float32, device=self.device)
         self.presence = torch.empty(0, dtype=torch.float32, device=self.device)
@@ -117,27 +93,26 @@ class SamplingState:
             self._params.drop(seq_id)
             self._counted.drop(seq_id)
 
-    def step(self, seq_ids: list[int], params: list[SamplingParams], token_lists: list[list[int]],
-             prompt_lens: list[int], bases: list[int], lengths: list[int]) -> StepRows:
-        """The step's rows, one per entry: its sequence, parameters, tokens (a list read only
-        to track a sequence first seen, and for the drafts before the row), prompt length,
-        the sequence's own token count (`bases`: the row's drafts lie between that and its
-        `lengths`)."""
+    def step(self, rows: list[SamplingRow]) -> StepRows:
+        """The step's rows, each naming its sequence (`seq_id`): a sequence first seen is
+        tracked from its row (parameters, and tokens if penalized); a row's drafts (its
+        tokens between `base` and `num_tokens`) count as if they were its sequence's."""
         slots = []
         penalty_rows, penalty_slots, extra_rows, extra_tokens = [], [], [], []
-        for i, (seq_id, p) in enumerate(zip(seq_ids, params)):
-            slot = self._params.of.get(seq_id)
+        for i, r in enumerate(rows):
+            p, base = r.params, r.base if r.base >= 0 else r.num_tokens
+            slot = self._params.of.get(r.seq_id)
             if slot is None:
-                slot = self._track(seq_id, p)
+                slot = self._track(r.seq_id, p)
             slots.append(slot)
             if not penalized(p):
                 continue
-            counted = self._counted.of.get(seq_id)
+            counted = self._counted.of.get(r.seq_id)
             if counted is None:
-                counted = self._count(seq_id, p, token_lists[i][:bases[i]], prompt_lens[i])
+                counted = self._count(r.seq_id, p, r.token_ids[:base], r.prompt_len)
             penalty_rows.append(i)
             penalty_slots.append(counted)
-            for token in token_lists[i][bases[i]:lengths[i]]:  # drafts before this row: as if they were its own
+            for token in r.token_ids[base:r.num_tokens]:  # drafts before this row: as if they were its own
                 extra_rows.append(len(penalty_rows) - 1)
                 extra_tokens.append(token)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)

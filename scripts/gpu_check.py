@@ -144,8 +144,6 @@ class Setup:
 
 
 SETUP = Setup()
-ARGS = argparse.Namespace(prompt_len=128, output_len=128)
-"""The command line (main sets it)."""
 DEADLINE = math.inf
 """time.monotonic() after which no further section, model or run starts (--budget-s)."""
 
@@ -644,11 +642,12 @@ def section_serving(args, roof) -> dict:
             if out_of_time():
                 result["skipped"].append(f"{model} overlap={overlap}")
                 continue
-            serve_model(model, path, overlap, concurrency, work, result)
+            serve_model(args, model, path, overlap, concurrency, work, result)
     return result
 
 
-def serve_model(model: str, path: Path, overlap: bool, concurrency: tuple[int, ...], work: Path, result: dict) -> None:
+def serve_model(args, model: str, path: Path, overlap: bool, concurrency: tuple[int, ...], work: Path,
+                result: dict) -> None:
     """One `meshserve serve` of `model`, benched at each of `concurrency`; rows into `result`."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_http import meshserve_server
@@ -663,10 +662,10 @@ def serve_model(model: str, path: Path, overlap: bool, concurrency: tuple[int, .
         url = served.wait_http(None, timeout=SETUP.serve_timeout)
         ready = time.perf_counter() - start
         show(f"  {model}: ready in {ready:.1f} s (overlap {overlap})")
-        bench_client(url, top, 1, ARGS.prompt_len, ARGS.output_len // 4, work / f"warmup_{name}.json")  # compiles
+        bench_client(url, top, 1, args.prompt_len, args.output_len // 4, work / f"warmup_{name}.json")  # compiles
         for c in concurrency:
             before = server_counters(url)
-            r = bench_client(url, c, 2, ARGS.prompt_len, ARGS.output_len, work / f"bench_{name}_c{c}.json")
+            r = bench_client(url, c, 2, args.prompt_len, args.output_len, work / f"bench_{name}_c{c}.json")
             steps = server_counters(url) - before
             row = {"model": model, "overlap": overlap, "concurrency": c, "ready_s": ready} | r | steps.figures(r)
             result["rows"].append(row)
@@ -801,8 +800,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="run the sections at tiny sizes on CPU in Triton's interpreter (checks this script)")
     args = ap.parse_args(argv)
-    global ARGS
-    ARGS = args
     if args.dry_run:
         for line in plan(args):
             show(line)

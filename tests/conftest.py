@@ -17,6 +17,18 @@ def cpu_build(request) -> cpu_library.CpuLibrary:
     return build
 
 
+@pytest.fixture(params=["native", "torch"])
+def backend(request) -> cpu_library.CpuLibrary | None:
+    """What samples and masks: the C++ library's ops (cpu_sample.cpp), or None, the torch-op
+    path (CUDA, or no compiler), for the grammar masks too."""
+    if request.param == "torch":
+        return None
+    library = cpu_library.load()
+    if library is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    return library
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tokenizer")

@@ -18,14 +18,31 @@ from meshserve.layers.kernels import next_power_of_2
 
 
 @triton.jit
-def _rotate(X, row, stride_t, stride_h, n_heads, c, s, offs_h, offs_d, HALF: tl.constexpr):
-    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
-    base = X + row * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+def _cos_sin(COS, SIN, row, stride_ct, stride_st, offs_d, HALF: tl.constexpr):
+    """A token's cos and sin, (1, BLOCK_HALF) float32: they repeat over the two halves, so
+    the first half holds every frequency."""
+    d_mask = offs_d < HALF
+    c = tl.load(COS + row * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(SIN + row * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    return c, s
+
+
+@triton.jit
+def _load_rotated(base, mask, c, s, HALF: tl.constexpr):
+    """The heads at `base` rotated, each half rounded once to the input's dtype."""
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+    return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+
+
+@triton.jit
+def _rotate(X, row, stride_t, stride_h, n_heads, c, s, offs_h, offs_d, HALF: tl.constexpr):
+    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
+    base = X + row * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    y1, y2 = _load_rotated(base, mask, c, s, HALF)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + HALF, y2, mask=mask)
 
 
 @triton.jit
@@ -34,10 +51,7 @@ def _rotary_kernel(Q, K, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, s
                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    # cos and sin repeat over the two halves: the first half holds every frequency
-    c = tl.load(COS + row * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(SIN + row * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c, s = _cos_sin(COS, SIN, row, stride_ct, stride_st, offs_d, HALF)
     _rotate(Q, row, stride_qt, stride_qh, n_q_heads, c, s, tl.arange(0, BLOCK_QH), offs_d, HALF)
     _rotate(K, row, stride_kt, stride_kh, n_k_heads, c, s, tl.arange(0, BLOCK_KH), offs_d, HALF)
 
@@ -63,13 +77,10 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def _store_rotated(K, V, KC, VC, row, slot, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
                    n_heads, c, s, offs_h, offs_d, HALF: tl.constexpr):
     mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
-    k = K + row * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(k, mask=mask, other=0.0)
-    x2 = tl.load(k + HALF, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    y1, y2 = _load_rotated(K + row * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask, c, s, HALF)
     cache = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    tl.store(KC + cache, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(KC + cache + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+    tl.store(KC + cache, y1, mask=mask)
+    tl.store(KC + cache + HALF, y2, mask=mask)
     v = V + row * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     tl.store(VC + cache, tl.load(v, mask=mask, other=0.0), mask=mask)
     tl.store(VC + cache + HALF, tl.load(v + HALF, mask=mask, other=0.0), mask=mask)
@@ -82,9 +93,7 @@ def _rotary_store_kernel(Q, K, V, KC, VC, COS, SIN, SLOTS, stride_qt, stride_qh,
                          BLOCK_KH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    c = tl.load(COS + row * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(SIN + row * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c, s = _cos_sin(COS, SIN, row, stride_ct, stride_st, offs_d, HALF)
     _rotate(Q, row, stride_qt, stride_qh, n_q_heads, c, s, tl.arange(0, BLOCK_QH), offs_d, HALF)
     slot = tl.load(SLOTS + row).to(tl.int64)
     _store_rotated(K, V, KC, VC, row, slot, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,

@@ -22,7 +22,6 @@ from meshserve.engine.sequence import Sequence
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.layers import logits_processors
 from meshserve.layers import sampler as sampler_module
-from meshserve.layers.kernels import cpu_library
 from meshserve.layers.logits_processors import apply_processors, check_bitmask, unpack_bitmask
 from meshserve.layers.sampler import Sampler, SamplingRow
 from support.threads import one_torch_thread  # noqa: F401 (autouse: one intra-op thread here)
@@ -52,18 +51,6 @@ PARAMS = [
     dict(temperature=0.0),
 ]
 PROCESSOR_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_p")
-
-
-@pytest.fixture(params=["native", "torch"])
-def backend(request):
-    """The C++ library whose ops sample and mask (cpu_sample.cpp), or None: the torch-op
-    path (CUDA, or no compiler), for the grammar masks too."""
-    if request.param == "torch":
-        return None
-    library = cpu_library.load()
-    if library is None:
-        pytest.skip("no C++ compiler for the CPU kernels")
-    return library
 
 
 def make_rows(rng: random.Random, params: list[dict], vocab: int = VOCAB) -> list[SamplingRow]:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from meshserve.comm.messages import SamplingParams
-from meshserve.layers.kernels import cpu_library
 from meshserve.layers.sampler import Sampler, SamplingRow
 from meshserve.layers.sampling_state import SamplingState
 
@@ -26,23 +25,13 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(params=["native", "torch"])
-def library(request):
-    if request.param == "torch":
-        return None
-    built = cpu_library.load()
-    if built is None:
-        pytest.skip("no C++ compiler for the CPU kernels")
-    return built
-
-
-def test_steps_of_a_changing_batch_sample_what_the_lists_sample(library):
+def test_steps_of_a_changing_batch_sample_what_the_lists_sample(backend):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (20,), generator=g)]
     seqs: dict[int, list[int]] = {}
     prompt_lens: dict[int, int] = {}
     state = SamplingState(VOCAB, "cpu")
-    with_state, with_lists = Sampler((EOS,), 5, library, state), Sampler((EOS,), 5, library)
+    with_state, with_lists = Sampler((EOS,), 5, backend, state), Sampler((EOS,), 5, backend)
     for step in range(12):
         for seq_id in range(min(20, 2 * step + 2)):  # two more sequences join each step, 20 (past 16 slots) in all
             if seq_id not in seqs:
