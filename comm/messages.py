@@ -167,6 +167,17 @@ class KvReady(Struct, tag="kv_ready", frozen=True, forbid_unknown_fields=True):
     logprob: TokenLogprob | None = None
 
 
+class Resume(Struct, frozen=True, forbid_unknown_fields=True):
+    """A stream another replica started and could not finish (its replica failed): the front
+    door sends it on with what its client already has. The replica takes `token_ids` as
+    output it sampled itself (after the prompt: penalties, min_tokens, max_tokens, stop
+    strings and a constraint go on from them), computes their KV with the prompt's, and
+    sends only what follows: text from character `text_chars` of the output on."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    text_chars: Annotated[int, Meta(ge=0)] = 0
+
+
 class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
     prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
@@ -182,6 +193,8 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     """Constrain the output, in the resolved form (not with structured_outputs)."""
     handoff: KvHandoff | None = None
     """Disaggregated prefill/decode: this replica's part of the request (the front door sets it)."""
+    resume: Resume | None = None
+    """Migration: the output so far of a stream another replica started (the front door sets it)."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):

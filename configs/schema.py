@@ -344,8 +344,22 @@ class RouterConfig(Section):
     """... and more than this many times its tokens; the request then goes to the least
     loaded."""
     retry: bool = True
-    """A request whose replica fails before it sent the client any token starts over on
-    another replica (else, as those that had output, it gets an `unavailable` error)."""
+    """A request whose replica fails (or refuses it) moves to another replica: one with no
+    output yet starts over, one with output continues from it (migration_limit); else it
+    gets an `unavailable` error."""
+    migration_limit: int = Field(3, ge=0)
+    """How often one request may move, with its output so far, to another replica (the new
+    replica computes the prompt and that output, then streams on; its client sees each token
+    once). 0: a request whose replica fails after it had output gets `unavailable`."""
+    restart_limit: int = Field(3, ge=0)
+    """How often in a row a failed replica is started again by the front door (`meshserve
+    serve`'s own replicas); one that then serves restart_reset_s counts from 0 again. 0:
+    a failed replica stays out of service."""
+    restart_backoff: float = Field(1.0, ge=0.0)
+    """Seconds before the first restart of a failed replica; each further one in a row waits
+    twice as long as the last (up to launcher/replica_keeper.py MAX_BACKOFF_S)."""
+    restart_reset_s: float = Field(300.0, gt=0.0)
+    """A restarted replica that serves this long has its restarts in a row forgotten."""
 
 
 class DisaggregationConfig(Section):

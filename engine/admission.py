@@ -4,7 +4,7 @@ parameter it is about; frontends turn it into their error reply."""
 
 from __future__ import annotations
 
-from meshserve.comm.messages import ErrorCode, GenerateRequest, ParamError, SamplingParams
+from meshserve.comm.messages import ErrorCode, GenerateRequest, ParamError, Resume, SamplingParams
 
 
 class RequestError(Exception):
@@ -83,11 +83,28 @@ def encode_prompt(tokenizer, text: str, max_model_len: int) -> list[int]:
     return tokenizer.encode(text)
 
 
+def check_resume(resume: Resume | None, params: SamplingParams, vocab_size: int) -> None:
+    """A migrated stream's output so far (comm/messages.py Resume) against its parameters."""
+    if resume is None:
+        return
+    bad = [t for t in resume.token_ids if t >= vocab_size]
+    if bad:
+        raise RequestError("bad_request", f"resumed token ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
+                           "resume")
+    if len(resume.token_ids) >= params.max_tokens:
+        raise RequestError("bad_request", f"the resumed output has {len(resume.token_ids)} tokens: the request is "
+                                          f"done (max_tokens={params.max_tokens})", "resume")
+    if params.prompt_logprobs is not None:
+        raise RequestError("bad_request", "a resumed request has had its prompt logprobs: ask for none",
+                           "prompt_logprobs")
+
+
 def admit_prompt(tokenizer, prompt: str | list[int], params: SamplingParams, vocab_size: int,
-                 max_model_len: int) -> list[int]:
+                 max_model_len: int, resume: Resume | None = None) -> list[int]:
     """A request's prompt as token ids that fit the model with its parameters: tokenized if it
-    is text (on a frontend's tokenize pool: it may take a second), checked either way. The one
-    admission of a prompt, for every frontend."""
+    is text (on a frontend's tokenize pool: it may take a second), checked either way (and the
+    output it resumes, if it does). The one admission of a prompt, for every frontend."""
     ids = encode_prompt(tokenizer, prompt, max_model_len) if isinstance(prompt, str) else prompt
     check_prompt(ids, params, vocab_size, max_model_len)
+    check_resume(resume, params, vocab_size)
     return ids

@@ -12,8 +12,8 @@ from typing import Any, Hashable, Protocol
 
 import msgspec
 
-from meshserve.comm.messages import (Delta, ErrorReply, KvHandoff, NewSeq, PrefillDone, PromptLogprobs, SamplingParams,
-                                     TokenLogprob, encoder)
+from meshserve.comm.messages import (Delta, ErrorReply, KvHandoff, NewSeq, PrefillDone, PromptLogprobs, Resume,
+                                     SamplingParams, TokenLogprob, encoder)
 from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.schema import SchedulerConfig
 from meshserve.engine.block_manager import BlockManager
@@ -136,12 +136,15 @@ class Engine:
 
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stream: bool = True, cache_salt: str | None = None, grammar: Grammar | None = None,
-                    handoff: KvHandoff | None = None) -> None:
+                    handoff: KvHandoff | None = None, resume: Resume | None = None) -> None:
         """Queue a validated request. `key` is unique among live requests. `cache_salt`: the
         request shares cached KV blocks only with requests of the same salt. `grammar`: the
         compiled constraint its output follows (engine/structured.py). `handoff`: this
-        replica's part of a request two replicas serve (engine/handoff.py)."""
+        replica's part of a request two replicas serve (engine/handoff.py). `resume`: the
+        output so far of a stream another replica started (migration)."""
         self.handoffs.check(handoff)
+        if resume is not None and handoff is not None:
+            raise RequestError("bad_request", "a resumed request is served whole, without a handoff", "handoff")
         if handoff is not None and params.prompt_logprobs is not None:
             raise RequestError("bad_request", "prompt_logprobs is not available with disaggregated prefill/decode",
                                "prompt_logprobs")
@@ -155,7 +158,8 @@ class Engine:
             self._encoder.encode(NewSeq(self._next_seq_id, prompt_ids, len(prompt_ids), [], 0, 0, params))
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
             raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
-        seq = Sequence(self._next_seq_id, key, list(prompt_ids), len(prompt_ids), params,
+        output_ids = list(resume.token_ids) if resume is not None else []
+        seq = Sequence(self._next_seq_id, key, list(prompt_ids) + output_ids, len(prompt_ids), params,
                        cache_salt=cache_salt, handoff=handoff)
         self._next_seq_id += 1
         if grammar is not None:
@@ -163,9 +167,28 @@ class Engine:
         state = RequestState(seq, request_id, stream, self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_ids)
+        if resume is not None:
+            self._resume(state, resume)
         self.requests[key] = state
         self._by_seq[seq.seq_id] = state
         self.scheduler.add(seq)
+
+    def _resume(self, state: RequestState, resume: Resume) -> None:
+        """A migrated stream: its output so far goes through the constraint and the output
+        processor as if sampled here (the detokenizer, stop strings held back and the length
+        counted as on the replica that started it), and what its client has is marked sent.
+        Seeded sampling needs nothing carried: a row's seed is the request's seed and the
+        sequence's length (layers/sampler.py, _row_seed), the same on any replica."""
+        seq = state.seq
+        for i, token in enumerate(resume.token_ids):
+            ended = self.guided.accept(seq.seq_id, token) if self.guided else False
+            self.outputs.add_token(state, None, ended, seq.prompt_len + i + 1)
+            if state.finish_reason is not None:
+                self.guided.drop(seq.seq_id)
+                raise RequestError("bad_request", f"the resumed output ends the request at its token {i} "
+                                                  f"({state.finish_reason}): there is nothing to resume", "resume")
+        state.sent_tokens = seq.num_output_tokens
+        state.sent_chars = min(resume.text_chars, len(state.text))
 
     def abort(self, key: Hashable) -> Delta | None:
         """Stop a request; returns its final delta (finish_reason "abort"), or None if unknown."""

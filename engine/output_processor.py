@@ -110,7 +110,7 @@ class OutputProcessor:
             prompt_logprobs, state.sent_prompt_logprobs = state.prompt_logprobs, True
         state.sent_chars, state.sent_tokens, state.sent_logprobs = end, state.seq.num_output_tokens, len(state.logprobs)
         seq = state.seq
-        usage = Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens, seq.num_accepted_tokens,
+        usage = Usage(seq.prompt_len, seq.num_output_tokens, min(seq.num_cached_tokens, seq.prompt_len), seq.num_accepted_tokens,
                       seq.num_draft_tokens - seq.num_accepted_tokens) if done else None
         return Delta(state.request_id, text, tokens, state.finish_reason if done else None, logprobs, usage,
                      state.stop_reason if done else None, prompt_logprobs)

@@ -51,6 +51,8 @@ class ReplicaProcess:
     http: str | None = None
     """Its HTTP base URL (for /metrics and /reset_prefix_cache)."""
     ready: threading.Event = field(default_factory=threading.Event)
+    ready_at: float | None = None
+    """When it said it serves (time.monotonic())."""
     last_words: str = ""
     """Its last `meshserve:` line (why it exited)."""
 
@@ -126,6 +128,7 @@ def start_replica(index: int, argv: list[str], sets: list[str], on_exit) -> Repl
             if match and not replica.ready.is_set():
                 replica.zmq, http = match.group(1), match.group(2)
                 replica.http = None if http == "off" else http
+                replica.ready_at = time.monotonic()
                 replica.ready.set()
             elif line.startswith("meshserve:"):
                 replica.last_words = line.strip().removeprefix("meshserve:").strip()

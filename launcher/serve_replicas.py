@@ -20,13 +20,15 @@ from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
 from meshserve.engine.serving.frontends import build_frontends
-from meshserve.engine.serving.replicas.front_door import FrontDoor, ReplicaDown, WakingInbox
+from meshserve.engine.serving.replicas.front_door import FrontDoor, WakingInbox
 from meshserve.engine.serving.replicas.link import ReplicaLink
 from meshserve.engine.serving.replicas.metrics import front_door_registry
 from meshserve.engine.serving.replicas.routing import Router
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.launcher.errors import StartupError
 from meshserve.launcher.network import host_address, interface_address
+from meshserve.engine.serving.replicas.replica_states import ReplicaDown
+from meshserve.launcher.replica_keeper import ReplicaKeeper
 from meshserve.launcher.replica_registry import ReplicaRegistry
 from meshserve.launcher.replicas import (STOP_GRACE_S, ReplicaProcess, core_shares, disaggregation_overrides, free_ports,
                                          replica_argv, replica_overrides, start_replica, stop_replicas, wait_stopped)
@@ -66,15 +68,25 @@ def kv_store_address(config: Config, local_store: dist.TCPStore | None) -> str:
     return f"127.0.0.1:{local_store.port}"
 
 
-def start_node_replicas(config: Config, argv: list[str], node_rank: int, on_exit, kv_store: str = "") -> list[ReplicaProcess]:
+def replica_starter(config: Config, argv: list[str], node_rank: int, kv_store: str = ""):
+    """`start(replica, on_exit)`: one of node `node_rank`'s replicas started (again), its
+    ZMQ frontend on a port free now."""
     host = replica_host(config)
     shares = core_shares(config)
-    indices = node_replicas(config, node_rank)
-    ports = free_ports(len(indices), host)
+    first = node_replicas(config, node_rank)[0]
     base = replica_argv(argv)
-    return [start_replica(r, base, replica_overrides(config, j, shares, ports[j], host)
-                          + disaggregation_overrides(config, r, kv_store), on_exit)
-            for j, r in enumerate(indices)]
+
+    def start(r: int, on_exit) -> ReplicaProcess:
+        port, = free_ports(1, host)
+        return start_replica(r, base, replica_overrides(config, r - first, shares, port, host)
+                             + disaggregation_overrides(config, r, kv_store), on_exit)
+
+    return start
+
+
+def start_node_replicas(config: Config, argv: list[str], node_rank: int, on_exit, kv_store: str = "") -> list[ReplicaProcess]:
+    start = replica_starter(config, argv, node_rank, kv_store)
+    return [start(r, on_exit) for r in node_replicas(config, node_rank)]
 
 
 def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: list[str], drain_timeout: float,
@@ -92,56 +104,61 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     inbox = WakingInbox()
     router = Router(config.parallel.data, config.router.policy, config.cache.block_size, memory.num_blocks,
                     config.router.balance_abs_tokens, config.router.balance_rel)
-    replicas: list[ReplicaProcess] = []
-    scrape_urls: list[tuple[int, str]] = []
+    urls: dict[int, str | None] = {}
+    """Each replica's HTTP base URL (a restarted one's replaces its last)."""
     # NOTE: made whether or not HTTP serves them (counting unread is cheap), so that whether
     # there is an HTTP /metrics is build_frontends' choice alone.
-    prom, metrics = front_door_registry(router, lambda: [(r, url) for r, url in scrape_urls if router.up[r]],
-                                        config.server.api_key)
+    prom, metrics = front_door_registry(router, lambda: [(r, url) for r, url in sorted(urls.items())
+                                                         if url and router.up[r]], config.server.api_key)
     frontends = build_frontends(config, info, memory, tokenizer, inbox, prom)
     started = time.monotonic()
     kv_store = None
     if config.disaggregation.enabled and nodes == 1:
         kv_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    replicas += start_node_replicas(config, argv, 0, lambda index, reason: inbox.put(ReplicaDown(index, reason)),
-                                    kv_store_address(config, kv_store))
+    keeper = ReplicaKeeper(replica_starter(config, argv, 0, kv_store_address(config, kv_store)),
+                           node_replicas(config, 0), config.router, inbox.put,
+                           on_ready=lambda replica: urls.__setitem__(replica.index, replica.http))
     remote = [r for r in range(config.parallel.data) if r not in node_replicas(config, 0)]
     try:
-        addresses = _wait_ready(replicas, registry, remote,
+        addresses = _wait_ready(keeper.replicas, registry, remote,
                                 config.cluster.rendezvous_timeout + config.cluster.handshake_timeout)
     except StartupError:
         if registry is not None:
             registry.stop()
-        stop_replicas(replicas)
-        wait_stopped(replicas, STOP_GRACE_S)
+        keeper.stop()
+        keeper.wait(STOP_GRACE_S)
         frontends.close()
         raise
     for r, (zmq_address, http_url) in sorted(addresses.items()):
         log.info("replica %d serves at %s (node %d)", r, zmq_address, r // len(node_replicas(config, 0)))
     log.info("%d replicas serve (started in %.1f s)", len(addresses), time.monotonic() - started)
     ctx = zmq.Context()
-    links = [ReplicaLink(ctx, r, addresses[r][0], config.server.secret, config.server.curve)
-             for r in range(config.parallel.data)]
-    urls = {r: http_url for r, (_, http_url) in addresses.items()}
-    scrape_urls.extend((r, url) for r, url in sorted(urls.items()) if url)
+
+    def connect(r: int, address: str) -> ReplicaLink:
+        return ReplicaLink(ctx, r, address, config.server.secret, config.server.curve)
+
+    links = [connect(r, addresses[r][0]) for r in range(config.parallel.data)]
+    urls.update({r: http_url for r, (_, http_url) in addresses.items()})
     door = FrontDoor(inbox, frontends.all, links, router, config.router.retry, metrics,
                      reset_prefix_caches=lambda: _reset_prefix_caches(urls, router, config.server.api_key),
-                     prefill_replicas=config.disaggregation.prefill_replicas)
+                     prefill_replicas=config.disaggregation.prefill_replicas,
+                     migration_limit=config.router.migration_limit, connect=connect)
+    keeper.heal()
     if frontends.http is not None:
         frontends.http.health_source = door.health
     if registry is not None:
         _watch_remote(registry, remote, inbox, door)
-    on_stop_signals(f"draining {len(replicas)} replicas", drain_timeout,
-                    drain=lambda: _drain(door, replicas, registry, drain_timeout),
-                    end_now=lambda: stop_replicas(replicas))
+    on_stop_signals(f"draining {len(keeper.replicas)} replicas", drain_timeout,
+                    drain=lambda: _drain(door, keeper, registry, drain_timeout),
+                    end_now=keeper.stop)
     print(front_door_ready_line(frontends.zmq.address, frontends.http_address, config), flush=True)
     try:
         code = door.run()
     finally:
         if registry is not None:
             registry.stop()
-        stop_replicas(replicas)
-        wait_stopped(replicas, drain_timeout + STOP_GRACE_S)
+        keeper.stop()
+        keeper.wait(drain_timeout + STOP_GRACE_S)
         frontends.close()
         for link in links:
             link.close()
@@ -251,15 +268,14 @@ def _watch_remote(registry: ReplicaRegistry, remote: list[int], inbox: WakingInb
     threading.Thread(target=watch, name="meshserve-registry", daemon=True).start()
 
 
-def _drain(door: FrontDoor, replicas: list[ReplicaProcess], registry: ReplicaRegistry | None,
-           drain_timeout: float) -> None:
+def _drain(door: FrontDoor, keeper: ReplicaKeeper, registry: ReplicaRegistry | None, drain_timeout: float) -> None:
     """The front door refuses new requests, the other nodes are told to stop theirs, and every
     replica gets its first SIGTERM: it finishes its requests (up to `drain_timeout`). A
     replica's second SIGTERM (`end_now`) ends them now, as a single replica's does."""
     door.request_stop(drain_timeout + STOP_GRACE_S)
     if registry is not None:
         registry.stop()
-    stop_replicas(replicas)
+    keeper.stop()
 
 
 def _reset_prefix_caches(urls: dict[int, str | None], router: Router, api_key: str | None) -> int:

@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 import msgspec
 
-from meshserve.comm.messages import KvHandoff, SamplingParams, TokenLogprob
+from meshserve.comm.messages import KvHandoff, Resume, SamplingParams, TokenLogprob
 from meshserve.engine.structured import Grammar
 
 
@@ -39,6 +39,8 @@ class AddCommand:
     """The compiled structured-output constraint, if the request has one."""
     handoff: KvHandoff | None = None
     """Disaggregated prefill/decode: this replica's part of the request (engine/handoff.py)."""
+    resume: Resume | None = None
+    """Migration: the output so far of a stream another replica started."""
 
 
 @dataclass(frozen=True)

@@ -163,12 +163,13 @@ class Server:
                 raise RequestError("overloaded", f"{len(waiting)} requests are waiting "
                                                  f"(scheduler.max_waiting={self.max_waiting}); retry later")
             tokens = sum(seq.num_uncomputed for seq in waiting)
-            if tokens and tokens + len(cmd.prompt_ids) > self.max_waiting_tokens:
+            adds = len(cmd.prompt_ids) + (len(cmd.resume.token_ids) if cmd.resume is not None else 0)
+            if tokens and tokens + adds > self.max_waiting_tokens:
                 raise RequestError("overloaded", f"{tokens} prompt tokens are waiting and this request adds "
-                                                 f"{len(cmd.prompt_ids)} (scheduler.max_waiting_tokens="
+                                                 f"{adds} (scheduler.max_waiting_tokens="
                                                  f"{self.max_waiting_tokens}); retry later")
             self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt,
-                                    cmd.grammar, cmd.handoff)
+                                    cmd.grammar, cmd.handoff, cmd.resume)
         except RequestError as e:
             self.engine.handoffs.refused(cmd.handoff, len(cmd.prompt_ids))
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))

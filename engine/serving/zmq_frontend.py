@@ -254,7 +254,7 @@ class ZmqFrontend:
         """In the tokenizer pool: the prompt tokenized and the structured-output constraint
         compiled (either may take a while); replies go out through the I/O thread."""
         try:
-            ids = admit_prompt(self.tokenizer, prompt, req.params, self.vocab_size, self.max_model_len)
+            ids = admit_prompt(self.tokenizer, prompt, req.params, self.vocab_size, self.max_model_len, req.resume)
             grammar = None
             if req.structured_outputs is not None and req.constraint is not None:
                 raise RequestError("bad_request", "set structured_outputs or constraint, not both", "constraint")
@@ -275,17 +275,18 @@ class ZmqFrontend:
         if self._tokenizing.pop(key, False):  # aborted while tokenizing
             self._failed.put((key.client, Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
             return
-        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt, grammar, req.handoff))
+        self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt, grammar, req.handoff,
+                                  req.resume))
 
     def _admit(self, key: RequestKey, req: GenerateRequest, ids: list[int]) -> None:
         """A request of token ids, on the I/O thread (checking them is cheap)."""
         try:
-            admit_prompt(self.tokenizer, ids, req.params, self.vocab_size, self.max_model_len)
+            admit_prompt(self.tokenizer, ids, req.params, self.vocab_size, self.max_model_len, req.resume)
         except RequestError as e:
             self._reply_error(key.client, req.request_id, e.code, e.message)
             return
         self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt,
-                                  handoff=req.handoff))
+                                  handoff=req.handoff, resume=req.resume))
 
     def _refuse(self, identity: bytes, frame: bytes | None, what: str) -> None:
         self._refused("refused an unauthenticated client frame (%s)", what)

@@ -3,10 +3,15 @@
 - SmolLM2 at dp=2: greedy tokens equal transformers', requests spread over both replicas,
   a conversation's second turn goes to the replica holding its first (and reuses its
   cache), /health and /metrics speak for both replicas;
-- dp=2 with tp=2 inside each replica, a rank of one replica SIGKILLed under load: the
-  other replica's requests all complete, the dead replica's streams get `unavailable`
-  within the failure timeout, new requests are served, /health says degraded (200), the
-  dead replica leaves no process behind, and SIGTERM then stops the rest cleanly.
+- SmolLM2 at dp=2, 16 greedy and seeded streams in flight, the rank of replica 1 SIGKILLed:
+  every stream completes with the tokens and text of the undisturbed run (its streams move
+  to replica 0 with their output), replica 1 is started again and serves within 60 s, and
+  nothing of the killed one is left behind;
+- dp=2 with tp=2 inside each replica, no migration and no restarts, a rank of one replica
+  SIGKILLed under load: the other replica's requests all complete, the dead replica's
+  streams get `unavailable` within the failure timeout, new requests are served, /health
+  says degraded (200), the dead replica leaves no process behind, and SIGTERM then stops
+  the rest cleanly.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -74,7 +80,8 @@ def test_two_replicas_serve_transformers_tokens_and_keep_a_conversation_on_its_r
         assert {k for k in tokens if any('replica="' in label for label in k)}, metrics[:3000]
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 200
-        assert health.json() == {"status": "ok", "replicas": {"total": 2, "serving": 2, "down": []}}
+        assert health.json() == {"status": "ok", "replicas": {"total": 2, "serving": 2, "down": [], "restarts": 0, "each": [
+            {"replica": 0, "state": "serving", "restarts": 0}, {"replica": 1, "state": "serving", "restarts": 0}]}}
         assert server.stop() == 0, server.tail()
         assert not server.group_alive() and not server.descendants()
     finally:
@@ -93,10 +100,117 @@ def _stream(address: str, prompt: list[int], started: threading.Event, outcome: 
             outcome["error"] = (e.code, str(e), time.monotonic())
 
 
+HEAL_QUESTIONS = ["Tell me about the moon.", "Describe a forest.", "What do cats eat?", "Explain rain.",
+                  "Why is the sky blue?", "Describe a city at night.", "What is a river?", "Tell me about bread.",
+                  "How do birds fly?", "What is music?", "Describe winter.", "Explain how a bicycle works.",
+                  "What is a library?", "Tell me about the ocean.", "What are stars?", "Describe a garden."]
+HEAL_TOKENS = 72
+
+
+def _streams(address: str, prompts: list[list[int]], params: list[dict], progress: list[threading.Event] | None = None,
+             min_tokens: int = 0) -> list[dict]:
+    """Every prompt streamed at once (a client each): per stream its tokens, text and the
+    time of each delta, or its error. progress[i] is set once stream i has `min_tokens`."""
+    outcomes = [{"tokens": [], "text": "", "times": []} for _ in prompts]
+
+    def one(i: int) -> None:
+        out = outcomes[i]
+        with Client(address, timeout=180) as client:
+            try:
+                for delta in client.generate(prompts[i], stream=True, **params[i]):
+                    out["tokens"] += delta.token_ids
+                    out["text"] += delta.text
+                    out["times"].append(time.monotonic())
+                    if progress is not None and len(out["tokens"]) >= min_tokens:
+                        progress[i].set()
+            except MeshserveError as e:
+                out["error"] = (e.code, str(e))
+                if progress is not None:
+                    progress[i].set()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return outcomes
+
+
+def _shm_files(pids=()) -> set[str]:
+    """meshserve's shared-memory segments, and OpenMP's registration files of `pids`."""
+    names = {p.name for p in Path("/dev/shm").glob("meshserve-*")}
+    return names | {p.name for pid in pids for p in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*")}
+
+
 @pytest.mark.slow
-def test_a_rank_killed_in_one_replica_takes_out_that_replica_only(tmp_path, tiny_checkpoints):
+def test_a_killed_replicas_streams_move_with_their_tokens_and_it_serves_again(tmp_path, smollm2):
+    """dp=2, 16 streams (greedy and seeded) in flight, the rank of replica 1 SIGKILLed: every
+    stream completes with the tokens and text of the undisturbed run, the replica is started
+    again and serves within 60 s, and nothing of it is left behind."""
+    from support.checkpoints import smollm2_tokenizer
+
+    shm_before = _shm_files()
+    server, address, url = serve(tmp_path, "dp2-heal", "parallel.data=2", "router.restart_backoff=0.5",
+                                  f"cluster.failure_timeout={FAILURE_TIMEOUT}", "cluster.heartbeat_interval=0.5")
+    try:
+        tok = smollm2_tokenizer()
+        prompts = [chat_ids(tok, [{"role": "user", "content": q}]) for q in HEAL_QUESTIONS]
+        params = [dict(max_tokens=HEAL_TOKENS, ignore_eos=True, temperature=0) if i % 2 == 0 else
+                  dict(max_tokens=HEAL_TOKENS, ignore_eos=True, temperature=0.8, top_p=0.95, seed=100 + i)
+                  for i in range(len(prompts))]
+        want = _streams(address, prompts, params)
+        assert all("error" not in w and len(w["tokens"]) == HEAL_TOKENS for w in want), want
+
+        assert not replica_rank_pids(server)  # one rank each: the replica's process is its rank
+        rank = replica_process(server, 1)
+        replica1 = [rank]
+        progress = [threading.Event() for _ in prompts]
+        killed = {}
+
+        def kill_when_all_streamed() -> None:
+            assert all(p.wait(120) for p in progress), "not every stream started"
+            killed["at"] = time.monotonic()
+            os.kill(rank, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_all_streamed, daemon=True)
+        killer.start()
+        got = _streams(address, prompts, params, progress, min_tokens=8)
+        killer.join(5)
+        assert "at" in killed
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert "error" not in g, (i, g["error"])
+            assert (g["tokens"], g["text"]) == (w["tokens"], w["text"]), (i, HEAL_QUESTIONS[i])
+        after_kill = [g for g in got if g["times"][-1] > killed["at"]]
+        assert after_kill, "every stream ended before the kill"
+
+        while (health := httpx.get(f"{url}/health", timeout=5).json())["replicas"]["serving"] < 2:
+            assert time.monotonic() - killed["at"] < 60, health
+            time.sleep(0.2)
+        assert health["status"] == "ok" and health["replicas"]["each"][1] == {"replica": 1, "state": "serving",
+                                                                              "restarts": 1}, health
+        assert not alive(replica1), "a process of the killed replica outlived it"
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert samples(metrics, "meshserve_replica_restarts_total") == {('replica="1"',): 1.0}, metrics[-2000:]
+        moved = samples(metrics, "meshserve_router_migrations_total").get(('replica="1"',), 0)
+        assert moved >= 1, metrics[-2000:]
+        routed = samples(metrics, "meshserve_router_requests_total")
+        before = sum(v for k, v in routed.items() if 'replica="1"' in k)
+        results = generate_concurrently(address, prompts[:4], 6)  # the restarted replica takes its share
+        routed = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_router_requests_total")
+        assert sum(v for k, v in routed.items() if 'replica="1"' in k) > before
+        assert results[0] == want[0]["tokens"][:6] and results[2] == want[2]["tokens"][:6]
+        assert server.stop() == 0, server.tail()
+        assert not server.group_alive() and not server.descendants()
+        assert _shm_files(replica1) <= shm_before, _shm_files(replica1) - shm_before
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_without_migration_or_restarts_a_killed_rank_takes_out_that_replica_only(tmp_path, tiny_checkpoints):
     server, address, url = serve(tmp_path, "dp2-kill", f"model.path={tiny_checkpoints['llama']}", "parallel.data=2",
-                                  "parallel.tensor=2", "cache.memory=16MiB",
+                                  "parallel.tensor=2", "cache.memory=16MiB", "router.migration_limit=0",
+                                  "router.restart_limit=0",
                                   f"cluster.failure_timeout={FAILURE_TIMEOUT}", "cluster.heartbeat_interval=0.5")
     try:
         pids = replica_rank_pids(server)

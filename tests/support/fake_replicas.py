@@ -73,22 +73,25 @@ class Replica:
         self.socket.send_multipart([self.peer, self.encoder.encode(message)])
 
 
-def add(inbox, request_id: str, prompt: list[int]) -> RequestKey:
+def add(inbox, request_id: str, prompt: list[int], stream: bool = True, max_tokens: int = 4) -> RequestKey:
     key = RequestKey("zmq", b"client-1", request_id)
-    inbox.put(AddCommand(key, request_id, prompt, SamplingParams(max_tokens=4, temperature=0), True))
+    inbox.put(AddCommand(key, request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), stream))
     return key
 
 
 @contextlib.contextmanager
-def running_front_door(num_replicas: int, prefill_replicas: int = 0):
+def running_front_door(num_replicas: int, prefill_replicas: int = 0, migration_limit: int = 3):
     """A FrontDoor running on a thread over `num_replicas` Replica sockets (least-loaded
-    routing): yields (front door, its inbox, the Client frontend, the replicas)."""
+    routing): yields (front door, its inbox, the Client frontend, the replicas). A replica
+    restarted (ReplicaUp) is reached at the address the event names; `replicas.append`
+    a Replica there first."""
     ctx = zmq.Context()
     replicas = [Replica(ctx) for _ in range(num_replicas)]
     inbox, client = WakingInbox(), Client()
     links = [ReplicaLink(ctx, i, r.address) for i, r in enumerate(replicas)]
     front = FrontDoor(inbox, [client], links, Router(num_replicas, "least_loaded", 16, 1000),
-                      prefill_replicas=prefill_replicas)
+                      prefill_replicas=prefill_replicas, migration_limit=migration_limit,
+                      connect=lambda i, address: ReplicaLink(ctx, i, address))
     loop = threading.Thread(target=front.run, daemon=True)
     loop.start()
     try:

@@ -1,18 +1,23 @@
 """The front door's loop (engine/serving/replicas/front_door.py) over real ZMQ sockets: two
 ROUTER sockets stand where two replicas' ZMQ frontends would, and answer what the test
 tells them. A request whose replica refuses it or fails before any output starts over on
-the other replica; one that had output gets `unavailable` naming its replica; replies reach
-the client under its own request id; aborts reach the replica; /health follows."""
+the other replica; one that had output moves there with it (Resume) and the client sees
+each token once, a whole request answered once; past router.migration_limit, or with no
+replica left, `unavailable` naming its replica; a restarted replica takes requests again;
+replies reach the client under its own request id; aborts reach the replica; /health
+follows."""
 
 from __future__ import annotations
 
+import time
 
 import pytest
+import zmq
 
 from meshserve.comm.messages import AbortRequest, Delta, ErrorReply, GenerateRequest, Usage
-from meshserve.engine.serving.commands import AbortCommand
-from meshserve.engine.serving.replicas.front_door import ReplicaDown
-from support.fake_replicas import add, running_front_door
+from meshserve.engine.serving.commands import AbortCommand, RequestKey
+from meshserve.engine.serving.replicas.replica_states import ReplicaDown, ReplicaUp
+from support.fake_replicas import Replica, add, running_front_door
 
 
 @pytest.fixture
@@ -37,28 +42,62 @@ def test_a_refused_request_starts_over_on_the_other_replica_under_its_own_id(doo
     assert replicas[0].quiet()
 
 
-def test_a_failed_replica_fails_what_had_output_and_moves_what_had_none(door):
+def test_a_failed_replicas_requests_move_with_their_output_and_it_serves_again_once_restarted(door):
     front, inbox, client, replicas = door
     key_a = add(inbox, "a", list(range(10)))
     a = replicas[0].receive()
-    key_b = add(inbox, "b", list(range(30, 40)))
+    add(inbox, "b", list(range(30, 40)))
     b = replicas[1].receive()
-    replicas[1].reply(Delta(b.request_id, "x", [5]))  # b has output on replica 1; a has none on 0
-    client.wait(1)
-    key_c = add(inbox, "c", list(range(50, 60)))
-    c = replicas[0].receive()  # replica 0 holds 10 tokens, replica 1 11
-    inbox.put(ReplicaDown(0, "exit code 1: rank 1 died first (killed by SIGKILL)"))
-    moved = {replicas[1].receive().prompt_token_ids[0], replicas[1].receive().prompt_token_ids[0]}
-    assert moved == {0, 50}  # a and c start over on replica 1
-    assert front.health() == (200, {"status": "degraded", "replicas": {"total": 2, "serving": 1, "down": [
-        {"replica": 0, "reason": "exit code 1: rank 1 died first (killed by SIGKILL)"}]}})
-    inbox.put(ReplicaDown(1, "exit code 1: rank 0 died first (killed by SIGKILL)"))
-    got = client.wait(4)[1:]
-    errors = {k.request_id: m for k, m in got}
-    assert set(errors) == {"a", "b", "c"} and all(isinstance(m, ErrorReply) for m in errors.values())
-    assert errors["b"].code == "unavailable" and errors["b"].message.startswith("replica 1 failed: exit code 1")
-    assert front.health()[0] == 503 and front.health()[1]["status"] == "failed"
-    assert key_a != key_b != key_c and a.request_id != c.request_id
+    key_c = add(inbox, "c", list(range(50, 60)), stream=False, max_tokens=9)
+    c = replicas[0].receive()  # replica 0 holds 10 tokens, replica 1 10, routed once each: 0
+    assert a.stream and b.stream and c.stream  # every request streams to the front door
+    replicas[0].reply(Delta(a.request_id, "Hel", [11, 12], logprobs=None))
+    replicas[0].reply(Delta(c.request_id, "x", [5]))
+    assert [m.token_ids for _, m in client.wait(1)] == [[11, 12]]  # c is whole: nothing yet
+    inbox.put(ReplicaDown(0, "exit code 1: rank 1 died first (killed by SIGKILL)", restart_in=1.0))
+    moved = {m.prompt_token_ids[0]: m for m in (replicas[1].receive(), replicas[1].receive())}
+    assert moved[0].resume.token_ids == [11, 12] and moved[0].resume.text_chars == 3
+    assert moved[50].resume.token_ids == [5] and moved[50].resume.text_chars == 1
+    status, body = front.health()
+    assert status == 200 and body["status"] == "degraded" and body["replicas"]["down"] == [
+        {"replica": 0, "reason": "exit code 1: rank 1 died first (killed by SIGKILL)", "state": "restarting"}]
+    replicas[1].reply(Delta(moved[0].request_id, "lo", [13], "length", usage=Usage(10, 4)))
+    replicas[1].reply(Delta(moved[50].request_id, "yz", [6, 7], "stop", usage=Usage(10, 3)))
+    got = client.wait(3)[1:]
+    assert [(k, m.token_ids, m.text) for k, m in got] == [(key_a, [13], "lo"), (key_c, [5, 6, 7], "xyz")]
+    assert got[1][1].usage == Usage(10, 3) and got[1][1].finish_reason == "stop"
+
+    replicas.append(Replica(zmq.Context.instance()))  # replica 0, started again at another port
+    inbox.put(ReplicaUp(0, replicas[2].address))
+    deadline = time.monotonic() + 5
+    while front.health()[1]["status"] != "ok":
+        assert time.monotonic() < deadline, front.health()
+        time.sleep(0.01)
+    assert front.health()[1]["replicas"]["each"][0] == {"replica": 0, "state": "serving", "restarts": 1}
+    add(inbox, "d", list(range(70, 75)))  # replica 1 still holds b: the restarted one takes it
+    d = replicas[2].receive()
+    assert d.prompt_token_ids == list(range(70, 75)) and d.resume is None
+    replicas[2].reply(Delta(d.request_id, "", [1], "length", usage=Usage(5, 1)))
+    assert client.wait(4)[3][0] == RequestKey("zmq", b"client-1", "d") and replicas[0].quiet()
+
+
+def test_a_request_past_its_migration_limit_or_on_the_last_replica_gets_unavailable():
+    with running_front_door(2, migration_limit=0) as (front, inbox, client, replicas):
+        key = add(inbox, "b", list(range(30, 40)))
+        b = replicas[0].receive()
+        add(inbox, "e", list(range(40, 45)))
+        e = replicas[1].receive()
+        replicas[0].reply(Delta(b.request_id, "x", [5]))
+        client.wait(1)
+        inbox.put(ReplicaDown(0, "killed by SIGKILL"))
+        (k, error), = client.wait(2)[1:]
+        assert k == key and isinstance(error, ErrorReply) and error.code == "unavailable"
+        assert error.message == "replica 0 failed: killed by SIGKILL"
+        replicas[1].reply(Delta(e.request_id, "y", [6]))
+        client.wait(3)
+        inbox.put(ReplicaDown(1, "killed by SIGKILL"))
+        assert client.wait(4)[3][1].message == "replica 1 failed: killed by SIGKILL"
+        assert front.health()[0] == 503 and front.health()[1]["status"] == "failed"
 
 
 def test_an_abort_reaches_the_replica_and_its_last_delta_the_client(door):

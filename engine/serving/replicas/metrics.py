@@ -29,7 +29,12 @@ class RouterMetrics:
                                      "the chosen replica to hold in its prefix cache", ["replica"], registry=registry)
         self.retries = Counter("meshserve_router_retries", "Requests started over on another replica (their "
                                "replica failed or refused them before any output)", ["replica"], registry=registry)
+        self.migrations = Counter("meshserve_router_migrations", "Requests moved with their output so far to "
+                                  "another replica (their replica failed), by the replica they left", ["replica"],
+                                  registry=registry)
         self.failures = Counter("meshserve_replica_failures", "Replicas taken out of service", ["replica"],
+                                registry=registry)
+        self.restarts = Counter("meshserve_replica_restarts", "Replicas restarted that serve again", ["replica"],
                                 registry=registry)
         registry.register(_RouterState(router))
         self.block_size = router.block_size
@@ -41,8 +46,14 @@ class RouterMetrics:
     def retried(self, replica: int) -> None:
         self.retries.labels(str(replica)).inc()
 
+    def migrated(self, replica: int) -> None:
+        self.migrations.labels(str(replica)).inc()
+
     def replica_down(self, replica: int) -> None:
         self.failures.labels(str(replica)).inc()
+
+    def replica_up(self, replica: int) -> None:
+        self.restarts.labels(str(replica)).inc()
 
 
 def front_door_registry(router: Router, urls: Callable[[], list[tuple[int, str]]], api_key: str | None = None
