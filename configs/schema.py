@@ -282,6 +282,10 @@ class ServerConfig(Section):
     api_key: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
     """HTTP: /v1/* needs `Authorization: Bearer <api_key>`. Null: open (env MESHSERVE_API_KEY
     fills it)."""
+    admin_key: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
+    """The front door of several replicas: its admin API (/admin/*: list, drain, restart, add
+    and remove replicas) needs `Authorization: Bearer <admin_key>`. Null: the admin API is
+    off (env MESHSERVE_ADMIN_KEY fills it)."""
     cors_allowed_origins: list[StrictStr] = ["*"]
     """HTTP: the origins whose web pages may call the API (CORS), e.g. ["https://app.example.com"];
     ["*"]: any; []: none. A browser's preflight (OPTIONS) needs no API key."""
@@ -313,7 +317,7 @@ class ServerConfig(Section):
         return v
 
 
-SECRET_KEYS = ("secret", "api_key")
+SECRET_KEYS = ("secret", "api_key", "admin_key")
 """Keys of `server` never printed: `meshserve check` and config errors show "***"."""
 
 

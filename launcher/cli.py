@@ -1,4 +1,4 @@
-"""The `meshserve` command: serve, generate, check, bench.
+"""The `meshserve` command: serve, generate, check, bench, advise, admin.
 
 Every command loads and validates the config (and checks it against the model) before
 anything heavy starts, so mistakes fail in a second with the numbers in the message.
@@ -19,7 +19,7 @@ from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config, redacted
 from meshserve.configs.validate import check_config, exposure_warnings
 from meshserve.launcher import flags
-from meshserve.launcher.env import api_key_from_environ, export_api_key, secrets_from_environ
+from meshserve.launcher.env import admin_key_from_environ, api_key_from_environ, export_api_key, secrets_from_environ
 from meshserve.launcher.errors import StartupError
 
 
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-record", action="store_true", help="print the advice without recording it")
 
     _add_bench_parser(sub)
+    from meshserve.client.admin import add_parser as add_admin_parser  # client-side code: httpx, no torch
+
+    add_admin_parser(sub, admin_key_from_environ)
     return parser
 
 
@@ -212,7 +215,8 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
 
         if args.api_key is not None:
             export_api_key(args.api_key)
-        return serve_replicas(config, info, memory, args.argv, getattr(args, "drain_timeout", 30.0), args.node_rank)
+        return serve_replicas(config, info, memory, args.argv, getattr(args, "drain_timeout", 30.0), args.node_rank,
+                              check_sets=lambda sets: _check_replica_sets(args, sets))
     if args.as_rank:
         from meshserve.launcher.env import rank_env_from_environ
         from meshserve.launcher.rank import run_rank
@@ -229,6 +233,14 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
         export_api_key(args.api_key)
     return spawn_local_ranks(config, ["-m", "meshserve.launcher.cli", *flags.without_api_key(args.argv), "--as-rank"],
                              shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15, node_rank=args.node_rank)
+
+
+def _check_replica_sets(args: argparse.Namespace, sets: list[str]) -> None:
+    """The admin API's overrides for one replica, checked as the replica will load them
+    (ConfigError, a ValueError, names what is wrong)."""
+    path, model = flags.split_target(args.target, args.config)
+    config = load_config(path, flags.overrides(args, model) + args.overrides + list(sets) + ["parallel.data=1"])
+    check_config(config, path or "<builtin default>")
 
 
 def _serve_mode(args):
@@ -282,7 +294,13 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check,
+def cmd_admin(args: argparse.Namespace) -> int:
+    from meshserve.client.admin import run
+
+    return run(args)
+
+
+COMMANDS = {"admin": cmd_admin, "serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check,
             "advise": cmd_advise, "bench": cmd_bench}
 
 

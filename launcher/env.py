@@ -84,13 +84,14 @@ def cpu_placement(device: DeviceConfig, local_rank: int, local_world_size: int,
                                      f"{share} thread{'s' if share > 1 else ''} per rank")
 
 
-SECRET_VARIABLES = {"secret": "MESHSERVE_SECRET", "api_key": "MESHSERVE_API_KEY"}
+SECRET_VARIABLES = {"secret": "MESHSERVE_SECRET", "api_key": "MESHSERVE_API_KEY",
+                    "admin_key": "MESHSERVE_ADMIN_KEY"}
 """server.<key> -> the variable that fills it when the config leaves it null."""
 
 
 def secrets_from_environ(config: Config) -> Config:
-    """`config` with server.secret and server.api_key taken from MESHSERVE_SECRET and
-    MESHSERVE_API_KEY where it leaves them null (an empty variable counts as unset). The
+    """`config` with server.secret, server.api_key and server.admin_key taken from
+    MESHSERVE_SECRET, MESHSERVE_API_KEY and MESHSERVE_ADMIN_KEY where it leaves them null (an empty variable counts as unset). The
     ranks `meshserve serve` starts inherit the variables, so each fills in the same values."""
     found = {key: os.environ[var] for key, var in SECRET_VARIABLES.items()
              if getattr(config.server, key) is None and os.environ.get(var)}
@@ -112,6 +113,11 @@ def export_api_key(key: str) -> None:
 def api_key_from_environ() -> str | None:
     """MESHSERVE_API_KEY, for `meshserve bench --api-key`'s default."""
     return os.environ.get(SECRET_VARIABLES["api_key"]) or None
+
+
+def admin_key_from_environ() -> str | None:
+    """MESHSERVE_ADMIN_KEY, for `meshserve admin --admin-key`'s default."""
+    return os.environ.get(SECRET_VARIABLES["admin_key"]) or None
 
 
 def cap_cpu_threads_for_ranks(device: DeviceConfig, local_world_size: int) -> str | None:

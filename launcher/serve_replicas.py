@@ -27,7 +27,8 @@ from meshserve.engine.serving.replicas.routing import Router
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.launcher.errors import StartupError
 from meshserve.launcher.network import host_address, interface_address
-from meshserve.engine.serving.replicas.replica_states import ReplicaDown
+from meshserve.engine.serving.replicas.admin import admin_router
+from meshserve.engine.serving.replicas.replica_states import ReplicaDown, ReplicaStates
 from meshserve.launcher.replica_keeper import ReplicaKeeper
 from meshserve.launcher.replica_registry import ReplicaRegistry
 from meshserve.launcher.replicas import (STOP_GRACE_S, ReplicaProcess, core_shares, disaggregation_overrides, free_ports,
@@ -69,17 +70,21 @@ def kv_store_address(config: Config, local_store: dist.TCPStore | None) -> str:
 
 
 def replica_starter(config: Config, argv: list[str], node_rank: int, kv_store: str = ""):
-    """`start(replica, on_exit)`: one of node `node_rank`'s replicas started (again), its
-    ZMQ frontend on a port free now."""
+    """`start(replica, on_exit, sets)`: one of node `node_rank`'s replicas started (again),
+    with the config overrides `sets` (the admin API's) after the deployment's, its ZMQ
+    frontend on a port free now. A replica added at run time shares the cores of the one
+    it wraps around to."""
     host = replica_host(config)
     shares = core_shares(config)
-    first = node_replicas(config, node_rank)[0]
+    indices = node_replicas(config, node_rank)
     base = replica_argv(argv)
 
-    def start(r: int, on_exit) -> ReplicaProcess:
+    def start(r: int, on_exit, sets: list[str] = ()) -> ReplicaProcess:
         port, = free_ports(1, host)
-        return start_replica(r, base, replica_overrides(config, r - first, shares, port, host)
-                             + disaggregation_overrides(config, r, kv_store), on_exit)
+        own = [item for s in sets for item in ("--set", s)]
+        return start_replica(r, base, own + replica_overrides(config, (r - indices[0]) % len(indices), shares, port,
+                                                              host) + disaggregation_overrides(config, r, kv_store),
+                             on_exit)
 
     return start
 
@@ -90,7 +95,9 @@ def start_node_replicas(config: Config, argv: list[str], node_rank: int, on_exit
 
 
 def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: list[str], drain_timeout: float,
-                   node_rank: int | None = None) -> int:
+                   node_rank: int | None = None, check_sets=None) -> int:
+    """`check_sets(sets)`: raises ValueError if a replica cannot start with these config
+    overrides (the admin API's restart and add)."""
     nodes = config.cluster.nodes
     if nodes > 1 and (node_rank is None or not 0 <= node_rank < nodes):
         raise StartupError(f"cluster.nodes={nodes}: start `meshserve serve CONFIG --node-rank K` on each node, "
@@ -108,8 +115,9 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     """Each replica's HTTP base URL (a restarted one's replaces its last)."""
     # NOTE: made whether or not HTTP serves them (counting unread is cheap), so that whether
     # there is an HTTP /metrics is build_frontends' choice alone.
+    states = ReplicaStates(config.parallel.data)
     prom, metrics = front_door_registry(router, lambda: [(r, url) for r, url in sorted(urls.items())
-                                                         if url and router.up[r]], config.server.api_key)
+                                                         if url and router.up[r]], config.server.api_key, states)
     frontends = build_frontends(config, info, memory, tokenizer, inbox, prom)
     started = time.monotonic()
     kv_store = None
@@ -125,7 +133,7 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     except StartupError:
         if registry is not None:
             registry.stop()
-        keeper.stop()
+        keeper.stop_all()
         keeper.wait(STOP_GRACE_S)
         frontends.close()
         raise
@@ -142,26 +150,30 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     door = FrontDoor(inbox, frontends.all, links, router, config.router.retry, metrics,
                      reset_prefix_caches=lambda: _reset_prefix_caches(urls, router, config.server.api_key),
                      prefill_replicas=config.disaggregation.prefill_replicas,
-                     migration_limit=config.router.migration_limit, connect=connect)
+                     migration_limit=config.router.migration_limit, connect=connect, control=keeper, states=states)
     keeper.heal()
+    if frontends.http is not None:
+        frontends.http.app.include_router(admin_router(inbox.put, config.server.admin_key,
+                                                       check_sets or (lambda sets: None)))
     if frontends.http is not None:
         frontends.http.health_source = door.health
     if registry is not None:
         _watch_remote(registry, remote, inbox, door)
     on_stop_signals(f"draining {len(keeper.replicas)} replicas", drain_timeout,
                     drain=lambda: _drain(door, keeper, registry, drain_timeout),
-                    end_now=keeper.stop)
+                    end_now=keeper.stop_all)
     print(front_door_ready_line(frontends.zmq.address, frontends.http_address, config), flush=True)
     try:
         code = door.run()
     finally:
         if registry is not None:
             registry.stop()
-        keeper.stop()
+        keeper.stop_all()
         keeper.wait(drain_timeout + STOP_GRACE_S)
         frontends.close()
         for link in links:
-            link.close()
+            if link is not None:
+                link.close()
         ctx.term()
         inbox.close()
     return code
@@ -275,7 +287,7 @@ def _drain(door: FrontDoor, keeper: ReplicaKeeper, registry: ReplicaRegistry | N
     door.request_stop(drain_timeout + STOP_GRACE_S)
     if registry is not None:
         registry.stop()
-    keeper.stop()
+    keeper.stop_all()
 
 
 def _reset_prefix_caches(urls: dict[int, str | None], router: Router, api_key: str | None) -> int:

@@ -29,6 +29,10 @@ COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v
                  "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
 
 
+ADMIN_PREFIX = "/admin/"
+"""The front door's admin API, which checks its own key (engine/serving/replicas/admin.py)."""
+
+
 class BodyTooLarge(Exception):
     """A body sent without Content-Length (chunked) grew past MAX_BODY_BYTES while read."""
 
@@ -38,7 +42,8 @@ class BodyTimeout(Exception):
 
 
 class CountingApp:
-    """ASGI wrapper: counts responses by path and status, checks the API key (401), refuses
+    """ASGI wrapper: counts responses by path and status, checks the API key (401; not on the
+    admin API's paths, which need the admin key instead), refuses
     oversized bodies (413) before anything reads them and slow ones (408), and answers an
     exception nobody handled with a 500 in OpenAI's shape."""
 
@@ -65,7 +70,8 @@ class CountingApp:
             await send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self._api_key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
+        checked = scope["path"] not in self.open_paths and not scope["path"].startswith(ADMIN_PREFIX)
+        if self._api_key is not None and checked and not self._authorized(headers):
             err = OpenAIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` with the key of "
                                    "server.api_key", code="invalid_api_key")
             return await JSONResponse(err.body(), err.status, headers={"WWW-Authenticate": "Bearer"})(

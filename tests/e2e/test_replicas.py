@@ -16,9 +16,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -263,5 +266,68 @@ def test_without_migration_or_restarts_a_killed_rank_takes_out_that_replica_only
         assert "rank 1 died first (killed by SIGKILL)" in server.tail(1 << 20)
         assert server.stop() == 0, server.tail()
         assert not server.group_alive() and not alive(pids.values())
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_a_rolling_restart_under_load_loses_no_request_and_the_admin_api_adds_and_removes(tmp_path):
+    """dp=2 with an admin key, `meshserve bench` at concurrency 8 over and over while `meshserve
+    admin rolling-restart` restarts both replicas with a new override, one at a time: every
+    request of every run completes; each replica restarted once, with the override. Then
+    the admin API adds a replica (it serves), removes it, and refuses a bad override or key."""
+    env = dict(os.environ, MESHSERVE_ADMIN_KEY="admin-secret")
+    server, address, url = serve(tmp_path, "dp2-admin", "parallel.data=2", "server.admin_key=admin-secret")
+    try:
+        admin = [sys.executable, "-m", "meshserve.launcher.cli", "admin", url]
+        rolling = subprocess.Popen([*admin, "rolling-restart", "--set", "scheduler.max_num_seqs=48", "--timeout", "20"],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        runs = []
+        while rolling.poll() is None or not runs:
+            out = tmp_path / f"bench{len(runs)}.json"
+            subprocess.run([sys.executable, "-m", "meshserve.launcher.cli", "bench", "--url", url, "--num-prompts",
+                            "24", "--max-concurrency", "8", "--input-len", "48", "--output-len", "24", "--seed",
+                            str(len(runs)), "--output", str(out), "--no-plots", "--disable-tqdm"], check=True,
+                           stdout=subprocess.DEVNULL, timeout=300)
+            runs.append(json.loads(out.read_text()))
+        stdout, stderr = rolling.communicate(timeout=60)
+        assert rolling.returncode == 0, stderr
+        assert len(runs) >= 2 and all(r["failed"] == 0 and r["completed"] == 24 for r in runs), \
+            [(r["completed"], r["failed"], r.get("errors", [])[:3]) for r in runs]
+        replicas = json.loads(stdout)
+        assert [(r["replica"], r["state"], r["restarts"]) for r in replicas] == [(0, "serving", 1), (1, "serving", 1)]
+        for r in (0, 1):  # started again with the override
+            assert b"scheduler.max_num_seqs=48" in Path(f"/proc/{replica_process(server, r)}/cmdline").read_bytes()
+        log = server.tail(1 << 20)
+        assert "replica 0: starting" not in log  # restarted by the admin API, not healed
+        for r in (0, 1):
+            assert re.search(rf"replica {r}: drained \(\d+ requests moved\); restarting it", log), log[-3000:]
+
+        def call(*args, key="admin-secret"):
+            return subprocess.run([*admin, *args], env=dict(env, MESHSERVE_ADMIN_KEY=key), capture_output=True,
+                                  text=True, timeout=300)
+
+        bad = call("add", "--set", "model.max_model_len=abc")
+        assert bad.returncode == 1 and "model.max_model_len" in bad.stderr, bad.stderr
+        assert "401" in call("list", key="wrong").stderr
+        added = call("add")
+        assert added.returncode == 0 and json.loads(added.stdout) == {"replica": 2, "state": "starting"}, added.stderr
+        deadline = time.monotonic() + 120
+        while (health := httpx.get(f"{url}/health", timeout=5).json())["replicas"]["serving"] < 3:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.3)
+        before = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_router_requests_total")
+        generate_concurrently(address, [[7 + i] * 12 for i in range(6)], 4)
+        routed = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_router_requests_total")
+        assert sum(v - before.get(k, 0) for k, v in routed.items() if 'replica="2"' in k) >= 1, routed
+        assert call("remove", "2").returncode == 0
+        while (health := httpx.get(f"{url}/health", timeout=5).json())["replicas"]["total"] > 2:
+            assert time.monotonic() < deadline + 60, health
+            time.sleep(0.3)
+        assert health["status"] == "ok" and health["replicas"]["each"][2]["state"] == "removed", health
+        state = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_replica_state")
+        assert state[('replica="2"', 'state="removed"')] == 1.0, state
+        assert server.stop() == 0, server.tail()
+        assert not server.group_alive() and not server.descendants()
     finally:
         server.kill()

@@ -100,7 +100,8 @@ def running_front_door(num_replicas: int, prefill_replicas: int = 0, migration_l
         front.request_stop(timeout=0.0)
         loop.join(5)
         for link in links:
-            link.close()
+            if link is not None:
+                link.close()
         for r in replicas:
             r.socket.close(linger=0)
         ctx.term()

@@ -16,6 +16,7 @@ import zmq
 
 from meshserve.comm.messages import AbortRequest, Delta, ErrorReply, GenerateRequest, Usage
 from meshserve.engine.serving.commands import AbortCommand, RequestKey
+from meshserve.engine.serving.replicas.admin import AdminCommand, AdminError
 from meshserve.engine.serving.replicas.replica_states import ReplicaDown, ReplicaUp
 from support.fake_replicas import Replica, add, running_front_door
 
@@ -114,3 +115,62 @@ def test_an_abort_reaches_the_replica_and_its_last_delta_the_client(door):
     (_, last), = client.wait(2)[1:]
     assert last.finish_reason == "abort" and last.request_id == "long"
     assert front.router.requests(0) == 0 and replicas[1].quiet()
+
+
+class Control:
+    """Stands for the launcher's ReplicaKeeper: records what the admin API asks of it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def manages(self, replica):
+        return replica < 2
+
+    def stop(self, replica, then, sets):
+        self.calls.append(("stop", replica, then, sets))
+
+    def start(self, replica, sets):
+        self.calls.append(("start", replica, sets))
+
+    def add(self, replica, sets):
+        self.calls.append(("add", replica, sets))
+
+
+def admin(inbox, op, replica=None, **kwargs):
+    cmd = AdminCommand(op, replica, **kwargs)
+    inbox.put(cmd)
+    return cmd.done.result(5)
+
+
+def test_a_drained_replica_takes_no_new_requests_and_moves_what_is_left_at_its_timeout(door):
+    front, inbox, client, replicas = door
+    front.control = control = Control()
+    add(inbox, "a", list(range(10)))
+    a = replicas[0].receive()
+    replicas[0].reply(Delta(a.request_id, "x", [5]))
+    client.wait(1)
+    assert admin(inbox, "drain", 0, timeout=0.5) == {"replica": 0, "state": "draining"}
+    add(inbox, "b", list(range(20, 30)))  # replica 0 drains: b goes to replica 1
+    assert replicas[1].receive().prompt_token_ids == list(range(20, 30))
+    assert isinstance(replicas[0].receive(), AbortRequest)  # a, at the timeout ...
+    moved = replicas[1].receive()  # ... moves with its output
+    assert moved.prompt_token_ids == list(range(10)) and moved.resume.token_ids == [5]
+    deadline = time.monotonic() + 5
+    while not control.calls:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert control.calls == [("stop", 0, "stop", None)]
+    listed = admin(inbox, "list")["replicas"]
+    assert [(r["replica"], r["state"]) for r in listed] == [(0, "draining"), (1, "serving")]
+    assert listed[1]["requests"] == 2
+    with pytest.raises(AdminError, match="replica 0 is draining"):
+        admin(inbox, "restart", 0)
+    with pytest.raises(AdminError, match="no replica 5"):
+        admin(inbox, "drain", 5)
+    inbox.put(ReplicaDown(0, "stopped by the admin API", expected=True))
+    while admin(inbox, "list")["replicas"][0]["state"] != "stopped":
+        assert time.monotonic() < deadline
+    assert admin(inbox, "restart", 0, sets=["model.dtype=float32"])["state"] == "restarting"
+    assert control.calls[-1] == ("start", 0, ["model.dtype=float32"])
+    assert admin(inbox, "add", sets=[])["replica"] == 2 and control.calls[-1] == ("add", 2, [])
+    assert front.health()[1]["replicas"]["total"] == 3 and front.router.num_replicas == 3

@@ -22,7 +22,8 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import msgspec
 import zmq
@@ -32,6 +33,7 @@ from meshserve.comm.messages import (Constraint, ErrorReply, GenerateRequest, Kv
 from meshserve.configs.roles import ReplicaRole, role_of
 from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Frontend, Inbox, RequestKey,
                                                ResetPrefixCacheCommand)
+from meshserve.engine.serving.replicas.admin import AdminCommand, AdminError
 from meshserve.engine.serving.replicas.link import ReplicaLink
 from meshserve.engine.serving.replicas.pending import Pending, Phase
 from meshserve.engine.serving.replicas.replica_states import ReplicaDown, ReplicaStates, ReplicaUp, State
@@ -42,6 +44,23 @@ log = logging.getLogger("meshserve")
 POLL_MS = 100
 RETRYABLE = ("unavailable", "overloaded")
 """A replica's errors that say nothing of the request itself: another replica may take it."""
+
+
+class ReplicaControl(Protocol):
+    """What starts and stops the replicas for the admin API (launcher/replica_keeper.py).
+    Called on the front door's loop: none of it blocks."""
+
+    def manages(self, replica: int) -> bool: ...
+
+    def stop(self, replica: int, then: str, sets: list[str] | None) -> None:
+        """Stop it (it has no requests left); `then`: `restart` (with `sets`, if given),
+        `stop` or `remove`."""
+
+    def start(self, replica: int, sets: list[str] | None) -> None:
+        """Start a stopped or failed replica again."""
+
+    def add(self, replica: int, sets: list[str]) -> None:
+        """Start a new replica, number `replica`."""
 
 
 class WakingInbox(Inbox):
@@ -85,13 +104,17 @@ class WakingInbox(Inbox):
 class FrontDoor:
     def __init__(self, inbox: WakingInbox, frontends: list[Frontend], links: list[ReplicaLink], router: Router,
                  retry: bool = True, observer=None, reset_prefix_caches=None, prefill_replicas: int = 0,
-                 migration_limit: int = 3, connect: Callable[[int, str], ReplicaLink] | None = None):
+                 migration_limit: int = 3, connect: Callable[[int, str], ReplicaLink] | None = None,
+                 control: ReplicaControl | None = None, states: ReplicaStates | None = None):
         """`observer`: told of routes, retries, moves and replica failures (RouterMetrics).
         `reset_prefix_caches()`: forgets every replica's prefix cache, returns the blocks
         forgotten (run on a thread of its own). `prefill_replicas`: disaggregated
         prefill/decode: the first this many replicas compute prompts, the rest decode (the
         router picks among those). `migration_limit`: how often a request with output may
-        move to another replica. `connect(replica, address)`: a link to a restarted replica."""
+        move to another replica. `connect(replica, address)`: a link to a restarted replica.
+        `control`: starts and stops the replicas (the admin API's drain, restart, add and
+        remove; None: it is off). `states`: where each replica's state is kept (shared with
+        /metrics)."""
         self.roles = [role_of(r, prefill_replicas) for r in range(len(links))] if prefill_replicas else None
         """Each replica's role in disaggregated prefill/decode; None without it."""
         self.prefill_replicas = frozenset(r for r, role in enumerate(self.roles or []) if role is ReplicaRole.PREFILL)
@@ -104,7 +127,11 @@ class FrontDoor:
         self.frontends = {f.tag: f for f in frontends}
         self.observer = observer
         self.reset_prefix_caches = reset_prefix_caches
-        self.states = ReplicaStates(len(links))
+        self.control = control
+        self.states = states if states is not None else ReplicaStates(len(links))
+        self._connected: set[int] = set(range(len(links)))
+        """The replicas whose links are open (serving or draining)."""
+        self._drains: dict[int, _Drain] = {}
         self._poller = zmq.Poller()
         self.stopping = threading.Event()
         self._pending: dict[str, Pending] = {}
@@ -152,17 +179,21 @@ class FrontDoor:
                 if frontend.error is not None:
                     raise RuntimeError(f"the {frontend.tag} frontend died") from frontend.error
             events = dict(self._poller.poll(POLL_MS))
-            for link in self.links:
-                if link.socket in events and self.states.serving(link.index):
-                    for reply in link.receive():
-                        self._on_reply(link.index, reply)
+            for r in sorted(self._connected):
+                if self.links[r].socket in events:
+                    for reply in self.links[r].receive():
+                        self._on_reply(r, reply)
             for cmd in self.inbox.take_all():
                 if isinstance(cmd, ReplicaDown):
                     failed = self._on_down(cmd) or failed
                 elif isinstance(cmd, ReplicaUp):
                     self._on_up(cmd)
+                elif isinstance(cmd, AdminCommand):
+                    self._on_admin(cmd)
                 else:
                     self._on_command(cmd)
+            if self._drains:
+                self._check_drains()
         for p in list(self._pending.values()):
             self._reply(p, ErrorReply(p.cmd.request_id, "unavailable", "the server stopped"))
         return 1 if failed and not self.stopping.is_set() else 0
@@ -342,17 +373,18 @@ class FrontDoor:
         """Take the replica out (or note what became of one already out: a restart that
         failed); whether it failed (rather than stopped)."""
         r = event.replica
-        was_serving = self.states.serving(r)
-        self.states.down(event, self.stopping.is_set())
-        expected = self.states.state[r] is State.STOPPED
-        if not was_serving:
+        drain = self._drains.pop(r, None)
+        self.states.down(event, self.stopping.is_set(), removed=drain is not None and drain.then == "remove")
+        expected = event.expected or self.stopping.is_set()
+        if r not in self._connected:
             if not expected:
                 log.error("replica %d: %s%s", r, event.reason, _restart_note(event))
             return not expected
+        self._connected.discard(r)
         self._poller.unregister(self.links[r].socket)
         self.router.set_up(r, False)
         self.links[r].close()
-        if self.observer is not None:
+        if self.observer is not None and not expected:
             self.observer.replica_down(r)
         if not expected:
             log.error("replica %d is out of service: %s%s; %d of %d replicas serve", r, event.reason,
@@ -377,16 +409,109 @@ class FrontDoor:
     def _on_up(self, event: ReplicaUp) -> None:
         """A restarted replica serves: a new link to it, and it takes requests again."""
         r = event.replica
-        if self.states.serving(r) or self.stopping.is_set() or self.connect is None:
+        if r in self._connected or self.stopping.is_set() or self.connect is None:
             return
         self.links[r] = self.connect(r, event.zmq)
         self._poller.register(self.links[r].socket, zmq.POLLIN)
+        self._connected.add(r)
+        added = self.states.state[r] is State.STARTING
         self.states.up(r)
         self.router.set_up(r, True)
-        if self.observer is not None:
+        if self.observer is not None and not added:
             self.observer.replica_up(r)
-        log.warning("replica %d serves again (restart %d); %d of %d replicas serve", r, self.states.restarts[r],
-                    len(self.links) - len(self.down), len(self.links))
+        log.warning("replica %d serves%s; %d of %d replicas serve", r,
+                    "" if added else f" again (restart {self.states.restarts[r]})",
+                    len(self._connected), self.states.health()[1]["replicas"]["total"])
+
+    # ------------------------------------------------------------------ the admin API
+
+    def _on_admin(self, cmd: AdminCommand) -> None:
+        try:
+            cmd.done.set_result(self._admin(cmd))
+        except AdminError as e:
+            cmd.done.set_exception(e)
+
+    def _admin(self, cmd: AdminCommand) -> dict:
+        if cmd.op == "list":
+            return {"replicas": self.replica_list()}
+        if self.stopping.is_set():
+            raise AdminError(409, "the server is shutting down")
+        if self.control is None:
+            raise AdminError(409, "this front door does not start its replicas: their launchers do")
+        if cmd.op == "add":
+            if self.prefill_replicas:
+                raise AdminError(409, "adding replicas is not available with disaggregated prefill/decode")
+            r = self.states.add()
+            self.links.append(None)
+            self.router.add_replica()
+            self.control.add(r, cmd.sets or [])
+            return {"replica": r, "state": State.STARTING.value}
+        r = cmd.replica
+        if not 0 <= r < len(self.states):
+            raise AdminError(404, f"no replica {r} (replicas 0..{len(self.states) - 1})")
+        if not self.control.manages(r):
+            raise AdminError(409, f"replica {r} was not started by this front door: its own launcher stops it")
+        state = self.states.state[r]
+        if state is State.SERVING:
+            if len(self._connected - set(self._drains)) == 1:
+                log.warning("replica %d: the admin API takes the last serving replica out (%s)", r, cmd.op)
+            self._drains[r] = _Drain("stop" if cmd.op == "drain" else cmd.op, cmd.sets,
+                                     time.monotonic() + cmd.timeout)
+            self.states.draining(r, f"draining ({cmd.op} by the admin API)")
+            self.router.set_up(r, False)
+            log.warning("replica %d: draining (%s by the admin API): it takes no new requests", r, cmd.op)
+            return {"replica": r, "state": State.DRAINING.value}
+        if state in (State.STOPPED, State.FAILED) and cmd.op == "restart":
+            self.states.state[r], self.states.reason[r] = State.RESTARTING, "started by the admin API"
+            self.control.start(r, cmd.sets)
+            return {"replica": r, "state": State.RESTARTING.value}
+        if state in (State.STOPPED, State.FAILED) and cmd.op == "remove":
+            self.states.state[r], self.states.reason[r] = State.REMOVED, "removed"
+            return {"replica": r, "state": State.REMOVED.value}
+        raise AdminError(409, f"replica {r} is {state.value}: it cannot be {_DONE[cmd.op]} now")
+
+    def replica_list(self) -> list[dict]:
+        out = self.states.listed()
+        for item in out:
+            r = item["replica"]
+            if r in self._connected:
+                item.update(address=self.links[r].address, requests=self.router.requests(r),
+                            load_tokens=self.router.load(r))
+            if self.roles is not None and r < len(self.roles):
+                item["role"] = self.roles[r].value
+        return out
+
+    def _check_drains(self) -> None:
+        """A draining replica with nothing left stops (then restarts, or is removed); one
+        past its timeout has its requests moved to other replicas first."""
+        now = time.monotonic()
+        for r, drain in list(self._drains.items()):
+            if drain.stopping:
+                continue
+            left = [i for i, p in self._pending.items() if r in (p.replica, p.prefill)]
+            if left and now < drain.deadline:
+                continue
+            for link_id in left:
+                p = self._pending[link_id]
+                if p.replica == r:
+                    self.links[r].abort(link_id)
+                    if p.phase is Phase.PREFILLING and p.prefill in self._connected:
+                        self.links[p.prefill].abort(link_id)
+                else:
+                    self.links[p.replica].abort(link_id)
+                    self.links[r].abort(link_id)
+                self._forget(link_id, completed=False)
+                if p.aborted:
+                    self._reply(p, p.aborted_delta())
+                elif self._may_retry(p):
+                    p.tried = {r}
+                    self._retry(p, f"replica {r} drained for {drain.then}")
+                else:
+                    self._reply(p, ErrorReply(p.cmd.request_id, "unavailable", f"replica {r} was drained"))
+            drain.stopping = True
+            log.warning("replica %d: drained (%d requests moved); %s", r, len(left),
+                        {"stop": "stopping it", "restart": "restarting it", "remove": "removing it"}[drain.then])
+            self.control.stop(r, drain.then, drain.sets)
 
     def _forget(self, link_id: str, completed: bool) -> None:
         p = self._pending.pop(link_id)
@@ -399,6 +524,18 @@ class FrontDoor:
         if message.request_id != p.cmd.request_id:
             message = msgspec.structs.replace(message, request_id=p.cmd.request_id)
         self.frontends[p.cmd.key.frontend].send(p.cmd.key, message)
+
+
+@dataclass
+class _Drain:
+    then: str
+    """`stop`, `restart` or `remove` once drained."""
+    sets: list[str] | None
+    deadline: float
+    stopping: bool = False
+
+
+_DONE = {"drain": "drained", "restart": "restarted", "remove": "removed"}
 
 
 def _restart_note(event: ReplicaDown) -> str:

@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from meshserve.engine.serving.replicas.replica_states import ReplicaStates
 from meshserve.engine.serving.replicas.routing import Route, Router
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ SCRAPE_TIMEOUT_S = 2.0
 
 
 class RouterMetrics:
-    def __init__(self, router: Router, registry: CollectorRegistry):
+    def __init__(self, router: Router, registry: CollectorRegistry, states: ReplicaStates | None = None):
         self.routed = Counter("meshserve_router_requests", "Requests routed, by replica and why there (history: a "
                               "conversation's earlier turn; cache: the longest cached prefix; least_loaded)",
                               ["replica", "reason"], registry=registry)
@@ -36,7 +37,7 @@ class RouterMetrics:
                                 registry=registry)
         self.restarts = Counter("meshserve_replica_restarts", "Replicas restarted that serve again", ["replica"],
                                 registry=registry)
-        registry.register(_RouterState(router))
+        registry.register(_RouterState(router, states))
         self.block_size = router.block_size
 
     def routed_to(self, route: Route) -> None:
@@ -56,12 +57,12 @@ class RouterMetrics:
         self.restarts.labels(str(replica)).inc()
 
 
-def front_door_registry(router: Router, urls: Callable[[], list[tuple[int, str]]], api_key: str | None = None
-                        ) -> tuple[CollectorRegistry, RouterMetrics]:
+def front_door_registry(router: Router, urls: Callable[[], list[tuple[int, str]]], api_key: str | None = None,
+                        states: ReplicaStates | None = None) -> tuple[CollectorRegistry, RouterMetrics]:
     """The front door's /metrics registry: its RouterMetrics, and the replicas' (`urls`: the
     base URLs of the replicas serving now) scraped and labelled."""
     registry = CollectorRegistry()
-    metrics = RouterMetrics(router, registry)
+    metrics = RouterMetrics(router, registry, states)
     registry.register(ReplicaScrape(urls, api_key, skip=("meshserve_http_responses",)))
     return registry, metrics
 
@@ -69,8 +70,8 @@ def front_door_registry(router: Router, urls: Callable[[], list[tuple[int, str]]
 class _RouterState:
     """Gauges read from the router when /metrics is read."""
 
-    def __init__(self, router: Router):
-        self.router = router
+    def __init__(self, router: Router, states: ReplicaStates | None):
+        self.router, self.states = router, states
 
     def collect(self):
         up = GaugeMetricFamily("meshserve_replica_up", "1 while the replica serves, 0 once out of service",
@@ -84,6 +85,12 @@ class _RouterState:
             load.add_metric([str(r)], self.router.load(r))
             running.add_metric([str(r)], self.router.requests(r))
         yield from (up, load, running)
+        if self.states is not None:
+            state = GaugeMetricFamily("meshserve_replica_state", "1 for each replica's state now (starting, serving, "
+                                      "draining, restarting, failed, stopped, removed)", labels=["replica", "state"])
+            for r, s in enumerate(list(self.states.state)):
+                state.add_metric([str(r), s.value], 1.0)
+            yield state
 
 
 class ReplicaScrape:

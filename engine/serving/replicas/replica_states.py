@@ -1,7 +1,8 @@
-"""What the front door knows of each replica: serving, restarting (its launcher starts it
-again), failed (for good) or stopped, why it is out, and how often it was restarted; and
-the events that change it, which the launcher's threads put in the front door's inbox.
-/health answers from here. Plain Python."""
+"""What the front door knows of each replica: starting (added at run time), serving,
+draining (it takes no new requests), restarting (its launcher starts it again), failed (for
+good), stopped or removed, why it is out, and how often it was restarted; and the events
+that change it, which the launcher's threads put in the front door's inbox. /health, the
+admin API's list and /metrics answer from here. Plain Python."""
 
 from __future__ import annotations
 
@@ -30,10 +31,17 @@ class ReplicaUp:
 
 
 class State(str, Enum):
+    STARTING = "starting"
     SERVING = "serving"
+    DRAINING = "draining"
     RESTARTING = "restarting"
     FAILED = "failed"
     STOPPED = "stopped"
+    REMOVED = "removed"
+
+
+COMING = (State.STARTING, State.SERVING, State.DRAINING, State.RESTARTING)
+"""States of a replica that serves, or will again without anyone's help."""
 
 
 class ReplicaStates:
@@ -45,35 +53,57 @@ class ReplicaStates:
     def __len__(self) -> int:
         return len(self.state)
 
-    def down(self, event: ReplicaDown, stopping: bool) -> None:
+    def add(self) -> int:
+        """A replica added at run time (starting); its index."""
+        self.state.append(State.STARTING)
+        self.reason.append("starting")
+        self.restarts.append(0)
+        return len(self.state) - 1
+
+    def down(self, event: ReplicaDown, stopping: bool, removed: bool = False) -> None:
         r = event.replica
-        if event.expected or stopping:
+        if removed:
+            self.state[r], self.reason[r] = State.REMOVED, "removed"
+        elif stopping:
             self.state[r], self.reason[r] = State.STOPPED, "stopped"
+        elif event.restart_in is not None:
+            self.state[r], self.reason[r] = State.RESTARTING, event.reason
+        elif event.expected:
+            self.state[r], self.reason[r] = State.STOPPED, event.reason
         else:
-            self.state[r] = State.RESTARTING if event.restart_in is not None else State.FAILED
-            self.reason[r] = event.reason
+            self.state[r], self.reason[r] = State.FAILED, event.reason
+
+    def draining(self, replica: int, why: str) -> None:
+        self.state[replica], self.reason[replica] = State.DRAINING, why
 
     def up(self, replica: int) -> None:
+        if self.state[replica] is not State.STARTING:
+            self.restarts[replica] += 1
         self.state[replica], self.reason[replica] = State.SERVING, ""
-        self.restarts[replica] += 1
 
     def serving(self, replica: int) -> bool:
         return self.state[replica] is State.SERVING
 
     def out(self) -> dict[int, str]:
-        """The replicas out of service -> why."""
-        return {r: self.reason[r] for r in range(len(self)) if self.state[r] is not State.SERVING}
+        """The replicas out of service (removed ones aside) -> why."""
+        return {r: self.reason[r] for r in range(len(self)) if self.state[r] not in (State.SERVING, State.REMOVED)}
 
     def may_serve_again(self) -> bool:
-        """Some replica serves or is being restarted."""
-        return any(s in (State.SERVING, State.RESTARTING) for s in self.state)
+        """Some replica serves, or will again without anyone's help."""
+        return any(s in COMING for s in self.state)
+
+    def listed(self) -> list[dict]:
+        return [{"replica": r, "state": s.value, "restarts": self.restarts[r], **({"reason": self.reason[r]}
+                                                                                   if self.reason[r] else {})}
+                for r, s in enumerate(self.state)]
 
     def health(self) -> tuple[int, dict]:
         """/health: 200 `ok` with every replica serving, 200 `degraded` with some (a load
         balancer keeps sending), 503 `failed` with none."""
         out = self.out()
-        serving = len(self) - len(out)
-        replicas = {"total": len(self), "serving": serving,
+        total = sum(s is not State.REMOVED for s in self.state)
+        serving = total - len(out)
+        replicas = {"total": total, "serving": serving,
                     "down": [{"replica": r, "reason": why, "state": self.state[r].value} for r, why in sorted(out.items())],
                     "restarts": sum(self.restarts),
                     "each": [{"replica": r, "state": s.value, "restarts": self.restarts[r]}

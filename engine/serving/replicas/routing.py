@@ -51,6 +51,7 @@ class Router:
                  balance_abs_tokens: int = 4096, balance_rel: float = 2.0):
         self.policy, self.block_size = policy, block_size
         self.balance_abs_tokens, self.balance_rel = balance_abs_tokens, balance_rel
+        self.capacity_blocks = capacity_blocks
         self.up = [True] * num_replicas
         self.indexes = [PrefixIndex(capacity_blocks) for _ in range(num_replicas)]
         self.routed = [0] * num_replicas
@@ -133,6 +134,14 @@ class Router:
             self._history.move_to_end(hashes[first_output_block])
             while len(self._history) > HISTORY_ENTRIES:
                 self._history.popitem(last=False)
+
+    def add_replica(self) -> int:
+        """A replica added at run time, not up until it serves; its index."""
+        self.up.append(False)
+        self.indexes.append(PrefixIndex(self.capacity_blocks))
+        for counts in (self.routed, self._load, self._requests):
+            counts.append(0)
+        return len(self.up) - 1
 
     def set_up(self, replica: int, up: bool) -> None:
         """A replica failed (its cache is gone with it) or came back (empty)."""
