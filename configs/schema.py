@@ -364,6 +364,22 @@ class RouterConfig(Section):
     twice as long as the last (up to launcher/replica_keeper.py MAX_BACKOFF_S)."""
     restart_reset_s: float = Field(300.0, gt=0.0)
     """A restarted replica that serves this long has its restarts in a row forgotten."""
+    join: str | None = None
+    """`tcp://HOST:PORT` of a `meshserve router`'s router.listen: this replica (one, started by
+    any launcher: torchrun, mpirun/srun, the deepspeed launcher, `meshserve serve`) joins it,
+    with server.secret, and beats every heartbeat_interval; the router routes to it while the
+    beats come. Null: it serves on its own."""
+    listen: str = "tcp://0.0.0.0:5560"
+    """`meshserve router`: where replicas join (CURVE-encrypted with keys from server.secret)."""
+    name: str | None = None
+    """A joining replica's name, stable across its restarts (null: the address it advertises)."""
+    advertise: str | None = None
+    """A joining replica: the ZMQ address the router reaches it at (null: server.zmq, a wildcard
+    host replaced by this node's address on cluster.interface, or its host name's)."""
+    heartbeat_interval: float = Field(1.0, gt=0.0)
+    """Seconds between a joined replica's beats."""
+    heartbeat_timeout: float = Field(5.0, gt=0.0)
+    """`meshserve router`: a replica whose beats stop this long is dropped (its requests move)."""
 
 
 class DisaggregationConfig(Section):

@@ -278,6 +278,29 @@ def disaggregation_problems(config: Config) -> list[str]:
     return problems
 
 
+def join_problems(config: Config) -> list[str]:
+    """A replica that joins a `meshserve router` (router.join)."""
+    r = config.router
+    if r.join is None:
+        return []
+    problems = []
+    if config.server.secret is None:
+        problems.append(f"router.join={r.join} needs server.secret (or MESHSERVE_SECRET), the router's: it admits "
+                        f"only replicas that know it")
+    if config.parallel.data > 1:
+        problems.append(f"router.join with parallel.data={config.parallel.data}: a replica that joins a router is "
+                        f"one replica (start one per launcher job)")
+    if config.disaggregation.enabled:
+        problems.append("router.join with disaggregated prefill/decode: a router's replicas serve requests whole")
+    if config.server.zmq.startswith(("ipc://", "inproc://")) and r.advertise is None:
+        problems.append(f"router.join with server.zmq={config.server.zmq}: the router reaches replicas over TCP "
+                        f"(set a tcp:// server.zmq, or router.advertise)")
+    if r.heartbeat_timeout <= r.heartbeat_interval:
+        problems.append(f"router.heartbeat_timeout={r.heartbeat_timeout:g} must exceed router.heartbeat_interval="
+                        f"{r.heartbeat_interval:g}")
+    return problems
+
+
 def check_config(config: Config, source: str = "<builtin default>", info: ModelInfo | None = None) -> ModelInfo:
     """Validate `config` against the model it names; returns the model's facts."""
     try:
@@ -320,6 +343,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
     problems += cluster_problems(config, info)
     problems += control_plane_problems(config)
     problems += client_security_problems(config)
+    problems += join_problems(config)
     if config.device.type == "cpu" and config.model.dtype == "float16":
         problems.append("model.dtype=float16 is not supported on device.type=cpu (use float32 or bfloat16)")
     problems += kernel_problems(config)

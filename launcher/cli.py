@@ -1,4 +1,4 @@
-"""The `meshserve` command: serve, generate, check, bench, advise, admin.
+"""The `meshserve` command: serve, router, worker, generate, check, bench, advise, admin.
 
 Every command loads and validates the config (and checks it against the model) before
 anything heavy starts, so mistakes fail in a second with the numbers in the message.
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubParser)
 
     p = sub.add_parser("serve", help="serve a model over ZMQ (and HTTP)")
+    _add_config_args(p)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+
+    p = sub.add_parser("router", help="a front door alone: replicas started by any launcher join it (router.join)")
     _add_config_args(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
@@ -257,6 +262,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from meshserve.launcher.router import serve_router
+
+    config, info, memory = load(args)
+    try:
+        return serve_router(config, info, memory, args.drain_timeout)
+    except OSError as e:  # e.g. the ZMQ or HTTP address is taken
+        print(f"meshserve: {e}", file=sys.stderr)
+        return 1
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     args.as_rank = True
     return cmd_serve(args)
@@ -300,7 +316,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
     return run(args)
 
 
-COMMANDS = {"admin": cmd_admin, "serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check,
+COMMANDS = {"admin": cmd_admin, "router": cmd_router, "serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check,
             "advise": cmd_advise, "bench": cmd_bench}
 
 

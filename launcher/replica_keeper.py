@@ -77,6 +77,9 @@ class ReplicaKeeper:
     def manages(self, replica: int) -> bool:
         return replica in self.sets
 
+    def refuses(self, op: str, replica: int | None) -> str | None:
+        return None
+
     def stop(self, replica: int, then: str, sets: list[str] | None) -> None:
         with self._lock:
             self._then[replica] = then

@@ -48,15 +48,40 @@ class ServeMode:
         server = Server(engine, self.inbox, frontends.all, self.config.scheduler.max_waiting,
                         self.config.scheduler.max_waiting_tokens)
         engine.executor.failure.on_failure(lambda reason: self._fail(server, frontends, reason))
-        on_stop_signals("draining", self.drain_timeout, drain=server.request_stop,
-                        end_now=lambda: server.request_stop(now=True))
+        membership = self._membership(engine, server)
+
+        def drain() -> None:
+            if membership is not None:
+                membership.leave(done=False)
+            server.request_stop()
+
+        on_stop_signals("draining", self.drain_timeout, drain=drain, end_now=lambda: server.request_stop(now=True))
         print(ready_line(frontends.zmq.address, frontends.http_address, self.config), flush=True)
+        if membership is not None:
+            membership.start()
         try:
             server.run(self.drain_timeout)
         finally:
+            if membership is not None:
+                membership.leave(done=True)
+                membership.close()
             frontends.close()
         log.info("stopped after %d steps, %d requests", engine.stats.steps, engine.stats.finished)
         return 1 if server.stop_now.is_set() else 0
+
+    def _membership(self, engine: Engine, server: Server):
+        """With router.join: this replica's membership of a `meshserve router` (not started)."""
+        if self.config.router.join is None:
+            return None
+        from meshserve.launcher.join import RouterMembership
+
+        def stop(reason: str) -> None:
+            membership.leave(done=False)
+            server.request_stop()
+
+        membership = RouterMembership(self.config, self.frontends.zmq.address, self.frontends.http_address,
+                                      engine.vocab_size, engine.memory.max_model_len, stop)
+        return membership
 
     def _serve_metrics(self, engine: Engine) -> None:
         """The engine's metrics (MFU/MBU against the roofline included), on HTTP's /metrics."""

@@ -126,6 +126,9 @@ class Control:
     def manages(self, replica):
         return replica < 2
 
+    def refuses(self, op, replica):
+        return None
+
     def stop(self, replica, then, sets):
         self.calls.append(("stop", replica, then, sets))
 

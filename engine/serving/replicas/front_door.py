@@ -36,7 +36,8 @@ from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Fronten
 from meshserve.engine.serving.replicas.admin import AdminCommand, AdminError
 from meshserve.engine.serving.replicas.link import ReplicaLink
 from meshserve.engine.serving.replicas.pending import Pending, Phase
-from meshserve.engine.serving.replicas.replica_states import ReplicaDown, ReplicaStates, ReplicaUp, State
+from meshserve.engine.serving.replicas.replica_states import (ReplicaDown, ReplicaLeaving, ReplicaStates, ReplicaUp,
+                                                              State)
 from meshserve.engine.serving.replicas.routing import Route, Router
 
 log = logging.getLogger("meshserve")
@@ -51,6 +52,9 @@ class ReplicaControl(Protocol):
     Called on the front door's loop: none of it blocks."""
 
     def manages(self, replica: int) -> bool: ...
+
+    def refuses(self, op: str, replica: int | None) -> str | None:
+        """Why it cannot do `op` (drain, restart, add, remove) to `replica`, or None."""
 
     def stop(self, replica: int, then: str, sets: list[str] | None) -> None:
         """Stop it (it has no requests left); `then`: `restart` (with `sets`, if given),
@@ -105,7 +109,8 @@ class FrontDoor:
     def __init__(self, inbox: WakingInbox, frontends: list[Frontend], links: list[ReplicaLink], router: Router,
                  retry: bool = True, observer=None, reset_prefix_caches=None, prefill_replicas: int = 0,
                  migration_limit: int = 3, connect: Callable[[int, str], ReplicaLink] | None = None,
-                 control: ReplicaControl | None = None, states: ReplicaStates | None = None):
+                 control: ReplicaControl | None = None, states: ReplicaStates | None = None,
+                 open_ended: bool = False):
         """`observer`: told of routes, retries, moves and replica failures (RouterMetrics).
         `reset_prefix_caches()`: forgets every replica's prefix cache, returns the blocks
         forgotten (run on a thread of its own). `prefill_replicas`: disaggregated
@@ -114,7 +119,9 @@ class FrontDoor:
         move to another replica. `connect(replica, address)`: a link to a restarted replica.
         `control`: starts and stops the replicas (the admin API's drain, restart, add and
         remove; None: it is off). `states`: where each replica's state is kept (shared with
-        /metrics)."""
+        /metrics). `open_ended`: replicas join at any time (`meshserve router`): serve until
+        stopped, whatever the replicas do."""
+        self.open_ended = open_ended
         self.roles = [role_of(r, prefill_replicas) for r in range(len(links))] if prefill_replicas else None
         """Each replica's role in disaggregated prefill/decode; None without it."""
         self.prefill_replicas = frozenset(r for r, role in enumerate(self.roles or []) if role is ReplicaRole.PREFILL)
@@ -170,7 +177,7 @@ class FrontDoor:
         for link in self.links:
             self._poller.register(link.socket, zmq.POLLIN)
         failed = False
-        while self.states.may_serve_again():
+        while not self._stopped() if self.open_ended else self.states.may_serve_again():
             if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
                 log.warning("replicas %s did not report their end: giving up on them",
                             [r for r in range(len(self.links)) if self.states.serving(r)])
@@ -188,6 +195,8 @@ class FrontDoor:
                     failed = self._on_down(cmd) or failed
                 elif isinstance(cmd, ReplicaUp):
                     self._on_up(cmd)
+                elif isinstance(cmd, ReplicaLeaving):
+                    self._on_leaving(cmd)
                 elif isinstance(cmd, AdminCommand):
                     self._on_admin(cmd)
                 else:
@@ -411,6 +420,12 @@ class FrontDoor:
         r = event.replica
         if r in self._connected or self.stopping.is_set() or self.connect is None:
             return
+        while r >= len(self.states):  # a replica that joined for the first time
+            self.states.add()
+            self.links.append(None)
+            self.router.add_replica()
+        if event.name is not None:
+            self.states.names[r] = event.name
         self.links[r] = self.connect(r, event.zmq)
         self._poller.register(self.links[r].socket, zmq.POLLIN)
         self._connected.add(r)
@@ -422,6 +437,18 @@ class FrontDoor:
         log.warning("replica %d serves%s; %d of %d replicas serve", r,
                     "" if added else f" again (restart {self.states.restarts[r]})",
                     len(self._connected), self.states.health()[1]["replicas"]["total"])
+
+    def _on_leaving(self, event: ReplicaLeaving) -> None:
+        r = event.replica
+        if r in self._connected and self.states.serving(r):
+            self.states.draining(r, event.reason)
+            self.router.set_up(r, False)
+            log.warning("replica %d: %s; %d of %d replicas serve", r, event.reason,
+                        len(self._connected) - 1, len(self._connected))
+
+    def _stopped(self) -> bool:
+        """Stopping, with no request left (an open-ended front door's end)."""
+        return self.stopping.is_set() and not self._pending
 
     # ------------------------------------------------------------------ the admin API
 
@@ -438,6 +465,9 @@ class FrontDoor:
             raise AdminError(409, "the server is shutting down")
         if self.control is None:
             raise AdminError(409, "this front door does not start its replicas: their launchers do")
+        refused = self.control.refuses(cmd.op, cmd.replica)
+        if refused is not None:
+            raise AdminError(409, refused)
         if cmd.op == "add":
             if self.prefill_replicas:
                 raise AdminError(409, "adding replicas is not available with disaggregated prefill/decode")

@@ -24,10 +24,21 @@ class ReplicaDown:
 
 @dataclass(frozen=True)
 class ReplicaUp:
-    """A restarted replica serves, its ZMQ frontend at `zmq`."""
+    """A started (or joined) replica serves, its ZMQ frontend at `zmq`."""
 
     replica: int
     zmq: str
+    name: str | None = None
+    """A replica that joined: the name it joined under."""
+
+
+@dataclass(frozen=True)
+class ReplicaLeaving:
+    """A replica that joined is draining on its own (its launcher stops it): route nothing
+    more to it."""
+
+    replica: int
+    reason: str
 
 
 class State(str, Enum):
@@ -49,6 +60,8 @@ class ReplicaStates:
         self.state = [State.SERVING] * num_replicas
         self.reason = [""] * num_replicas
         self.restarts = [0] * num_replicas
+        self.names: dict[int, str] = {}
+        """The names replicas joined under."""
 
     def __len__(self) -> int:
         return len(self.state)
@@ -93,9 +106,9 @@ class ReplicaStates:
         return any(s in COMING for s in self.state)
 
     def listed(self) -> list[dict]:
-        return [{"replica": r, "state": s.value, "restarts": self.restarts[r], **({"reason": self.reason[r]}
-                                                                                   if self.reason[r] else {})}
-                for r, s in enumerate(self.state)]
+        return [{"replica": r, "state": s.value, "restarts": self.restarts[r],
+                 **({"name": self.names[r]} if r in self.names else {}),
+                 **({"reason": self.reason[r]} if self.reason[r] else {})} for r, s in enumerate(self.state)]
 
     def health(self) -> tuple[int, dict]:
         """/health: 200 `ok` with every replica serving, 200 `degraded` with some (a load
@@ -108,6 +121,8 @@ class ReplicaStates:
                     "restarts": sum(self.restarts),
                     "each": [{"replica": r, "state": s.value, "restarts": self.restarts[r]}
                              for r, s in enumerate(self.state)]}
+        if not total:
+            return 503, {"status": "waiting", "replicas": replicas}
         if not serving:
             return 503, {"status": "failed", "replicas": replicas}
         return 200, {"status": "degraded" if out else "ok", "replicas": replicas}
