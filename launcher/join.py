@@ -112,6 +112,7 @@ class RouterMembership:
         if isinstance(message, Welcome):
             if self.replica != message.replica:
                 log.info("joined the router at %s: replica %d", self.router, message.replica)
+                self._next_send = time.monotonic() + self.interval  # the first beat, not the next Join's time
             self.replica = message.replica
         elif isinstance(message, Refused):
             if message.rejoin:

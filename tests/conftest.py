@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from meshserve.layers.kernels import cpu_library
+from support import netns
 from support.checkpoints import KINDS, make_checkpoint, save_tokenizer, smollm2_path
 
 
@@ -59,3 +60,20 @@ def smollm2_reference(smollm2):
     from support.reference import hf_model
 
     return hf_model(smollm2)
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Two network namespaces standing in for two nodes (support/netns.py), for a module's
+    tests; they skip where namespaces cannot be made."""
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"two-node tests need network namespaces: {reason}")
+    netns.remove_stale()
+    two = netns.TwoNodes().up()
+    try:
+        yield two
+    finally:
+        two.down()
+
+

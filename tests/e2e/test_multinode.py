@@ -14,24 +14,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from meshserve.client import Client
-from support import netns
+from support.multinode import CLI, SECRET, tool, write_config
 from support.server import MeshserveProcess, free_port
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
 MAX_TOKENS = 8
-CLI = [sys.executable, "-m", "meshserve.launcher.cli"]
 
-SECRET = "multinode-test-secret-0123456789abcdef"
 
 SPY = """
 import json, sys, time, zmq
@@ -69,33 +65,6 @@ with Client(sys.argv[1], timeout=120, secret=sys.argv[4] or None) as client:
 """
 
 
-def write_config(tmp_path: Path, model: Path, name: str, tensor: int, pipeline: int = 1, zmq: str | None = None,
-                 cluster: dict | None = None, secret: str | None = None) -> Path:
-    data = {
-        "model": {"path": str(model), "max_model_len": 256, "dtype": "float32"},
-        "parallel": {"tensor": tensor, "pipeline": pipeline},
-        "device": {"threads": 1},
-        "cache": {"memory": "16MiB"},
-        "server": {"zmq": zmq or f"tcp://127.0.0.1:{free_port()}", "http": None},
-    }
-    if secret is not None:
-        data["server"]["secret"] = secret
-    if cluster:
-        data["cluster"] = cluster
-    p = tmp_path / name
-    p.write_text(yaml.safe_dump(data))
-    return p
-
-
-def tool(name: str) -> str:
-    """A launcher installed with the test extras (next to this Python, or on PATH)."""
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.exists() else shutil.which(name)
-    if found is None:
-        pytest.fail(f"`{name}` not found: install the test extras (README's test command)")
-    return found
-
-
 @pytest.fixture(scope="module")
 def one_rank_tokens(tiny_checkpoints, tmp_path_factory):
     """Greedy tokens of the tiny Llama (4 heads, 2 KV heads, 3 layers) on one rank."""
@@ -106,19 +75,6 @@ def one_rank_tokens(tiny_checkpoints, tmp_path_factory):
     tokens = [json.loads(line)["token_ids"] for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
     return tokens
-
-
-@pytest.fixture(scope="module")
-def nodes():
-    reason = netns.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"two-node tests need network namespaces: {reason}")
-    netns.remove_stale()
-    two = netns.TwoNodes().up()
-    try:
-        yield two
-    finally:
-        two.down()
 
 
 def two_node_config(tmp_path, tiny_checkpoints, nodes, name="two.yaml", port=29500, timeout=120,

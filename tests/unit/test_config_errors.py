@@ -613,3 +613,17 @@ def test_disaggregation_needs_a_decode_replica_and_no_context_parallelism(tiny_c
     config, source = tiny_config(tiny_checkpoints, tmp_path, "parallel:\n  data: 2\n"
                                  "disaggregation:\n  prefill_replicas: 1\n", name="ok.yaml")
     check_config(config, source)
+
+
+def test_a_replica_that_joins_a_router_needs_the_secret_and_is_one_replica(tiny_checkpoints, tmp_path):
+    config, source = tiny_config(tiny_checkpoints, tmp_path, "router:\n  join: tcp://10.0.0.1:5560\n"
+                                                              "  heartbeat_interval: 2\n  heartbeat_timeout: 1\n"
+                                                              "parallel:\n  data: 2\n")
+    message = check_error(config, source)
+    assert "router.join=tcp://10.0.0.1:5560 needs server.secret" in message
+    assert "router.join with parallel.data=2: a replica that joins a router is one replica" in message
+    assert "router.heartbeat_timeout=1 must exceed router.heartbeat_interval=2" in message
+    config, source = tiny_config(tiny_checkpoints, tmp_path, "router:\n  join: tcp://10.0.0.1:5560\n"
+                                                              "server:\n  secret: a-long-random-secret-value\n",
+                                 name="ok.yaml")
+    check_config(config, source)
