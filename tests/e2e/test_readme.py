@@ -164,9 +164,9 @@ def test_the_commands_check_and_run(tmp_path):
             args = [w if not w.startswith("configs/") else str(REPO / w) for w in words[1:]]
             if "K" in args:  # a placeholder (the node rank): checked with node 0
                 args[args.index("K")] = "0"
-            if args[0] in ("serve", "worker"):
+            if args[0] in ("serve", "worker", "router"):
                 args[0] = "check"
-            out = meshserve(*args, env=os.environ | EXPORTED if "nodes" in line else None)
+            out = meshserve(*args, env=os.environ | EXPORTED if "nodes" in line or "router" in line else None)
             assert out.returncode == 0, f"{line}\n{out.stderr[-3000:]}"
             prompts = [args[i + 1] for i, a in enumerate(args) if a == "--prompt"]
             if args[0] == "generate" and len(prompts) > 1:  # one header per prompt, as README says
