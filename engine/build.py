@@ -112,6 +112,7 @@ def attach_kv_transfer(config: Config, info: ModelInfo, memory: MemoryPlan, grou
     peers = range(d.prefill_replicas, d.replicas) if role == "prefill" else range(d.prefill_replicas)
     for peer in peers:
         transport.connect(name(peer))
+    transport.watch([name(peer) for peer in peers])
     counts = stage_layers(config, info)
     runner.kv = KvAgent(transport, name, runner.kv_caches, stage_layer_range(counts, groups.pp.rank)[0],
                         info.num_hidden_layers, memory.block_size, -(-memory.max_model_len // memory.block_size),

@@ -1,12 +1,15 @@
 """KV blocks between two processes that share no torch.distributed world, as a prefill and a
 decode replica's ranks: each layer's blocks gathered, sent, received and scattered into
 other block ids arrive exact (float32 and int8 caches), several transfers in flight at once
-and posted in opposite orders; a receive nobody answers times out with an error."""
+and posted in opposite orders; a receive nobody answers times out with an error; a peer that
+starts again pairs anew with the rank that stayed (which exits cleanly, without closing its
+transport by hand, as a rank does)."""
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import time
 import traceback
 
 import pytest
@@ -103,3 +106,68 @@ def test_blocks_travel_layer_by_layer_into_other_block_ids(dtype):
             assert torch.equal(received[layer][0][b], before[layer][0][b])
     message = got["timeout"][0]
     assert message is not None and ("imeout" in message or "imed out" in message), message
+
+
+def decode_side_that_stays(port: int, out) -> None:
+    """The decode rank: pairs with the prefill rank, watches for it starting again, and
+    receives one tensor from each of its two lives."""
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        transport = TorchKvTransport("replica1/rank0", store, timeout_s=20)
+        transport.connect("replica0/rank0")
+        transport.watch(["replica0/rank0"], every_s=0.1)
+        for life in (1, 2):
+            got = torch.empty(4)
+            deadline = time.monotonic() + 60
+            while True:  # a receive posted on the dead pair fails (as a transfer does); the next is posted anew
+                try:
+                    transport.recv("replica0/rank0", life, got).wait()
+                    break
+                except RuntimeError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            out.put(("decode", life, got.tolist()))
+        store.wait(["prefill-2-done"], datetime.timedelta(seconds=60))
+    except Exception:
+        out.put(("error", traceback.format_exc(), None))
+
+
+def prefill_side_that_dies(port: int, life: int, out) -> None:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        transport = TorchKvTransport("replica0/rank0", store, timeout_s=20)
+        transport.connect("replica1/rank0")
+        transport.send("replica1/rank0", life, torch.full((4,), float(life))).wait()
+        out.put(("prefill", life, None))
+        if life == 2:
+            store.set("prefill-2-done", "1")
+    except Exception:
+        out.put(("error", traceback.format_exc(), None))
+
+
+def test_a_peer_that_starts_again_pairs_anew_with_the_rank_that_stayed():
+    """The store is a third process's, as the front door hosts it for the replicas."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    decode = ctx.Process(target=decode_side_that_stays, args=(port, out))
+    decode.start()
+    first = ctx.Process(target=prefill_side_that_dies, args=(port, 1, out))
+    first.start()
+    got = [out.get(timeout=120) for _ in range(2)]
+    assert all(kind != "error" for kind, *_ in got), got
+    first.join(30)
+    first.kill()  # its group's other end is gone now
+    second = ctx.Process(target=prefill_side_that_dies, args=(port, 2, out))
+    second.start()
+    got += [out.get(timeout=120) for _ in range(2)]
+    assert all(kind != "error" for kind, *_ in got), got
+    assert sorted((k, life, v) for k, life, v in got if k == "decode") == [("decode", 1, [1.0] * 4),
+                                                                          ("decode", 2, [2.0] * 4)]
+    for p in (second, decode):
+        p.join(60)
+        assert p.exitcode == 0
+    del store
