@@ -1,7 +1,8 @@
 """Across nodes, through the launchers clusters use: two network namespaces stand in for two
 nodes (tp = 2 inside each, pp = 2 across them) started by `meshserve serve --node-rank K` and
 by torchrun, and two replicas (parallel.data=2), one per node, behind node 0's front door;
-`mpiexec -n 4` with mpi4py; the deepspeed launcher. Greedy tokens equal one rank's.
+`mpiexec -n 4` with mpi4py; the deepspeed launcher; disaggregated prefill on node 0 and
+decode on node 1, the KV crossing between them. Greedy tokens equal one rank's.
 Across the namespaces the control plane is CURVE-encrypted (the configs carry a secret): a
 process on node 1 without it hears nothing on the driver's PUB port and its forged results
 change nothing; without a secret (and without cluster.insecure_control_plane) every node
@@ -161,6 +162,38 @@ def test_two_nodes_one_replica_each_behind_node0s_front_door(nodes, tmp_path, ti
         served = re.findall(r"replica (\d) \| .*stopped after \d+ steps, (\d+) requests", node0.tail(200_000) +
                             node1.tail(200_000))
         assert sorted(served) == [("0", "1"), ("1", "1")], served
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_prefill_on_node0_and_decode_on_node1(nodes, tmp_path, tiny_checkpoints, one_rank_tokens):
+    """Disaggregated across the nodes: replica 0 (node 0) computes every prompt and sends its
+    KV over cluster.interface to replica 1 (node 1), which decodes: the tokens of one rank,
+    KV bytes landed on node 1, and no prompt token computed there."""
+    address = f"tcp://{nodes.addresses[0]}:5558"
+    cfg = write_config(tmp_path, tiny_checkpoints["llama"], "pd.yaml", tensor=1, zmq=address, secret=SECRET,
+                       cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": 29535,
+                                "interface": nodes.interface, "rendezvous_timeout": 120, "handshake_timeout": 120})
+    procs = serve_two_nodes(nodes, tmp_path, lambda k: [
+        *CLI, "serve", str(cfg), "--set", "parallel.data=2", "--set", "disaggregation.prefill_replicas=1",
+        "--set", "server.http=0.0.0.0:0", "--node-rank", str(k)])
+    node0, node1 = procs
+    try:
+        line = node0.wait_ready(240)
+        url = re.search(r"http=(http://\S+)", line).group(1).replace("0.0.0.0", nodes.addresses[0])
+        assert f"replica 1 serves at tcp://{nodes.addresses[1]}:" in node0.tail(200_000)
+        assert tokens_from_node0(nodes, address) == one_rank_tokens
+        metrics = subprocess.run(nodes.cmd(0, ["curl", "-s", f"{url}/metrics"]), capture_output=True, text=True,
+                                 timeout=60).stdout
+        computed = {k: v for k, v in re.findall(r'^meshserve_prompt_tokens_computed_total\{replica="(\d)"\} (\S+)$',
+                                                metrics, re.M)}
+        landed = re.findall(r'^meshserve_kv_transfers\{outcome="landed",replica="1"\} (\S+)$', metrics, re.M)
+        assert float(computed["1"]) == 0 and float(computed["0"]) > 0, computed
+        assert landed and float(landed[0]) == len(PROMPTS), metrics[-3000:]
+        assert node0.stop() == 0, node0.tail()
+        assert node1.proc.wait(90) == 0, node1.tail()
     finally:
         for p in procs:
             p.kill()

@@ -126,3 +126,33 @@ def test_a_request_aborted_while_reserving_still_reaches_the_prefill_replica_whi
     assert isinstance(told, GenerateRequest) and told.handoff.transfer == decode.handoff.transfer
     stop = replicas[0].receive()  # ... and only the prefill replica can answer them (zeros, as it ends)
     assert isinstance(stop, AbortRequest) and stop.request_id == decode.request_id
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_loaded"])
+def test_cache_aware_routing_picks_the_prefill_replica_holding_the_prefix(policy):
+    """Prefill replicas 0 and 1, decode replica 2: a prompt computed on replica 0 leaves its
+    blocks there; while replica 0 is busier, a prompt sharing that prefix goes back to it
+    under cache_aware, to the less busy replica 1 under least_loaded."""
+    with running_front_door(3, prefill_replicas=2) as (front, inbox, client, replicas):
+        front.router.policy = policy
+        shared = list(range(64))
+
+        def through_prefill(request_id, prompt):
+            add(inbox, request_id, prompt)
+            sent = replicas[2].receive()
+            replicas[2].reply(KvReserved(sent.request_id, 0))
+            for r in (0, 1):
+                if not replicas[r].quiet():
+                    return r, sent
+            raise AssertionError("no prefill replica was asked")
+
+        first, sent = through_prefill("a", shared + [1, 2, 3])
+        assert first == 0  # least loaded, tie: the first
+        replicas[0].receive()
+        replicas[0].reply(PrefillDone(sent.request_id, 7))
+        assert isinstance(replicas[2].receive(), KvReady)
+        busy, _ = through_prefill("busy", list(range(500, 540)))  # both idle: replica 0, which stays busy
+        assert busy == 0
+        replicas[0].receive()
+        again, _ = through_prefill("b", shared + [4, 5, 6])
+        assert again == (0 if policy == "cache_aware" else 1)

@@ -36,6 +36,7 @@ from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Fronten
 from meshserve.engine.serving.replicas.admin import AdminCommand, AdminError
 from meshserve.engine.serving.replicas.link import ReplicaLink
 from meshserve.engine.serving.replicas.pending import Pending, Phase
+from meshserve.engine.serving.replicas.prefix_index import prefix_hashes
 from meshserve.engine.serving.replicas.replica_states import (ReplicaDown, ReplicaLeaving, ReplicaStates, ReplicaUp,
                                                               State)
 from meshserve.engine.serving.replicas.routing import Route, Router
@@ -240,7 +241,7 @@ class FrontDoor:
             return
         handoff, resume = None, p.resume()
         p.phase, p.prefill = Phase.WHOLE, None
-        prefill = self._pick_prefill() if self.prefill_replicas and resume is None else None
+        prefill = self._pick_prefill(cmd) if self.prefill_replicas and resume is None else None
         if prefill is not None:
             p.prefill, p.transfer, p.phase = prefill, next(self._transfers) % (1 << 31), Phase.RESERVING
             handoff = KvHandoff(p.transfer, prefill, ReplicaRole.DECODE)
@@ -270,10 +271,27 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ disaggregated prefill/decode
 
-    def _pick_prefill(self) -> int | None:
-        """The prefill replica with the fewest prompt tokens to compute."""
-        up = [r for r in sorted(self.prefill_replicas) if r not in self.down]
-        return min(up, key=lambda r: self._prefill_load[r]) if up else None
+    def _pick_prefill(self, cmd: AddCommand) -> int | None:
+        """The prefill replica with the fewest prompt tokens to compute; with router.policy
+        cache_aware, the one whose prefix cache holds the longest prefix of the prompt (as
+        the prompts it computed say), unless it is overloaded as the router judges it."""
+        up = [r for r in sorted(self.prefill_replicas) if self.states.serving(r)]
+        if not up:
+            return None
+        least = min(up, key=lambda r: (self._prefill_load[r], r))
+        if self.router.policy != "cache_aware":
+            return least
+        hashes = prefix_hashes(cmd.prompt_ids, self.router.block_size, cmd.cache_salt)
+        matches = {r: self.router.indexes[r].match(hashes) for r in up}
+        best = max(matches.values())
+        if not best:
+            return least
+        cached = min((r for r in up if matches[r] == best), key=lambda r: (self._prefill_load[r], r))
+        excess = self._prefill_load[cached] - self._prefill_load[least]
+        if excess > self.router.balance_abs_tokens and self._prefill_load[cached] > (
+                self.router.balance_rel * self._prefill_load[least]):
+            return least
+        return cached
 
     def _on_reserved(self, link_id: str, p: Pending, reply: KvReserved) -> None:
         """The decode replica reserved the blocks and posted its receives: the prefill
@@ -288,6 +306,7 @@ class FrontDoor:
         cmd = p.cmd
         p.prefill_tokens = len(cmd.prompt_ids) - reply.cached_tokens
         self._prefill_load[p.prefill] += p.prefill_tokens
+        self.router.indexes[p.prefill].add(prefix_hashes(cmd.prompt_ids, self.router.block_size, cmd.cache_salt))
         grammar = None if cmd.grammar is None else Constraint(**_spec_fields(cmd.grammar.spec))
         first_block = reply.cached_tokens // self.router.block_size
         handoff = KvHandoff(p.transfer, p.replica, ReplicaRole.PREFILL, first_block)
