@@ -110,26 +110,51 @@ HEAL_QUESTIONS = ["Tell me about the moon.", "Describe a forest.", "What do cats
 HEAL_TOKENS = 72
 
 
-def _streams(address: str, prompts: list[list[int]], params: list[dict], progress: list[threading.Event] | None = None,
-             min_tokens: int = 0) -> list[dict]:
-    """Every prompt streamed at once (a client each): per stream its tokens, text and the
-    time of each delta, or its error. progress[i] is set once stream i has `min_tokens`."""
+VIAS = ["zmq", "zmq", "http", "zmq-whole", "zmq", "http-whole", "zmq", "http"]
+"""How each request of the healing test is sent (in turn): a ZMQ stream, a whole ZMQ
+request, an OpenAI client stream or a whole OpenAI request."""
+
+
+def _streams(address: str, url: str, prompts: list[list[int]], params: list[dict],
+             progress: list[threading.Event] | None = None, min_tokens: int = 0) -> list[dict]:
+    """Every prompt at once, each by VIAS[i % len(VIAS)] (a client each): per request its
+    tokens (over ZMQ), its text and the time of each delta, or its error. progress[i] is set
+    once stream i has `min_tokens` (at once for a whole request)."""
     outcomes = [{"tokens": [], "text": "", "times": []} for _ in prompts]
 
     def one(i: int) -> None:
-        out = outcomes[i]
-        with Client(address, timeout=180) as client:
-            try:
-                for delta in client.generate(prompts[i], stream=True, **params[i]):
+        out, via = outcomes[i], VIAS[i % len(VIAS)]
+        p = dict(params[i])
+        if progress is not None and via.endswith("whole"):
+            progress[i].set()
+        try:
+            if via.startswith("http"):
+                api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=180, max_retries=0)
+                p["extra_body"] = {k: p.pop(k) for k in ("ignore_eos", "top_p") if k in p}
+                reply = api.completions.create(model=api.models.list().data[0].id, prompt=prompts[i],
+                                               stream=via == "http", **p)
+                for chunk in ([reply] if via == "http-whole" else reply):
+                    out["text"] += chunk.choices[0].text if chunk.choices else ""
+                    out["times"].append(time.monotonic())
+                    if progress is not None and len(out["times"]) >= min_tokens:
+                        progress[i].set()
+                return
+            with Client(address, timeout=180) as client:
+                if via == "zmq-whole":
+                    done = client.generate(prompts[i], **p)
+                    out["tokens"], out["text"] = done.token_ids, done.text
+                    out["times"].append(time.monotonic())
+                    return
+                for delta in client.generate(prompts[i], stream=True, **p):
                     out["tokens"] += delta.token_ids
                     out["text"] += delta.text
                     out["times"].append(time.monotonic())
                     if progress is not None and len(out["tokens"]) >= min_tokens:
                         progress[i].set()
-            except MeshserveError as e:
-                out["error"] = (e.code, str(e))
-                if progress is not None:
-                    progress[i].set()
+        except (MeshserveError, openai.APIError) as e:
+            out["error"] = str(e)
+            if progress is not None:
+                progress[i].set()
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
@@ -147,9 +172,10 @@ def _shm_files(pids=()) -> set[str]:
 
 @pytest.mark.slow
 def test_a_killed_replicas_streams_move_with_their_tokens_and_it_serves_again(tmp_path, smollm2):
-    """dp=2, 16 streams (greedy and seeded) in flight, the rank of replica 1 SIGKILLed: every
-    stream completes with the tokens and text of the undisturbed run, the replica is started
-    again and serves within 60 s, and nothing of it is left behind."""
+    """dp=2, 16 requests (greedy and seeded; streamed and whole, over ZMQ and the OpenAI API)
+    in flight, the rank of replica 1 SIGKILLed: every request completes with the tokens and
+    text of the undisturbed run, the replica is started again and serves within 60 s, and
+    nothing of it is left behind."""
     from support.checkpoints import smollm2_tokenizer
 
     shm_before = _shm_files()
@@ -161,8 +187,8 @@ def test_a_killed_replicas_streams_move_with_their_tokens_and_it_serves_again(tm
         params = [dict(max_tokens=HEAL_TOKENS, ignore_eos=True, temperature=0) if i % 2 == 0 else
                   dict(max_tokens=HEAL_TOKENS, ignore_eos=True, temperature=0.8, top_p=0.95, seed=100 + i)
                   for i in range(len(prompts))]
-        want = _streams(address, prompts, params)
-        assert all("error" not in w and len(w["tokens"]) == HEAL_TOKENS for w in want), want
+        want = _streams(address, url, prompts, params)
+        assert all("error" not in w and w["text"] for w in want), want
 
         assert not replica_rank_pids(server)  # one rank each: the replica's process is its rank
         rank = replica_process(server, 1)
@@ -177,7 +203,7 @@ def test_a_killed_replicas_streams_move_with_their_tokens_and_it_serves_again(tm
 
         killer = threading.Thread(target=kill_when_all_streamed, daemon=True)
         killer.start()
-        got = _streams(address, prompts, params, progress, min_tokens=8)
+        got = _streams(address, url, prompts, params, progress, min_tokens=8)
         killer.join(5)
         assert "at" in killed
         for i, (g, w) in enumerate(zip(got, want)):
@@ -198,10 +224,11 @@ def test_a_killed_replicas_streams_move_with_their_tokens_and_it_serves_again(tm
         assert moved >= 1, metrics[-2000:]
         routed = samples(metrics, "meshserve_router_requests_total")
         before = sum(v for k, v in routed.items() if 'replica="1"' in k)
-        results = generate_concurrently(address, prompts[:4], 6)  # the restarted replica takes its share
+        greedy = [0, 4, 6, 8]  # over ZMQ in the runs above
+        results = generate_concurrently(address, [prompts[i] for i in greedy], 6)  # the restarted one takes a share
         routed = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_router_requests_total")
         assert sum(v for k, v in routed.items() if 'replica="1"' in k) > before
-        assert results[0] == want[0]["tokens"][:6] and results[2] == want[2]["tokens"][:6]
+        assert results == [want[i]["tokens"][:6] for i in greedy]
         assert server.stop() == 0, server.tail()
         assert not server.group_alive() and not server.descendants()
         assert _shm_files(replica1) <= shm_before, _shm_files(replica1) - shm_before
