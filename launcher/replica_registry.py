@@ -1,12 +1,14 @@
 """Where the replicas of several nodes meet the front door: a key-value store on node 0 at
 cluster.master_addr:master_port (torch.distributed's TCPStore, as torch's rendezvous uses).
 
-    replica/<r>  "<zmq address> <http base URL>"   set by replica r's node once it serves
-    down/<r>     why replica r ended                 set by its node when its process exits
+    replica/<r>  "<generation> <zmq address> <http base URL>"   set by replica r's node each
+                                                              time it serves (0: its first start)
+    down/<r>     "<generation> <restart_in or -> <why>"        set by its node each time it ends
     stop         set by the front door: every node stops its replicas (they drain)
 
 Node 0 hosts the store; a node that loses it (the front door's node went away) stops its
-replicas, so none outlives the deployment.
+replicas, so none outlives the deployment. A replica's node starts it again when it fails
+(router.restart_limit), as node 0 does its own: a new generation of either key says so.
 """
 
 from __future__ import annotations
@@ -26,26 +28,26 @@ class ReplicaRegistry:
                               timeout=datetime.timedelta(seconds=cluster.rendezvous_timeout),
                               wait_for_workers=False, use_libuv=True)
 
-    def announce(self, replica: int, zmq: str, http: str | None) -> None:
-        self.store.set(f"replica/{replica}", f"{zmq} {http or 'off'}")
+    def announce(self, replica: int, zmq: str, http: str | None, generation: int = 0) -> None:
+        self.store.set(f"replica/{replica}", f"{generation} {zmq} {http or 'off'}")
 
-    def address(self, replica: int) -> tuple[str, str | None] | None:
-        """Replica `replica`'s (zmq, http), once its node announced it."""
+    def announcement(self, replica: int) -> tuple[int, str, str | None] | None:
+        """Replica `replica`'s latest (generation, zmq, http), once its node announced it."""
         if not self.store.check([f"replica/{replica}"]):
             return None
-        zmq, http = self.store.get(f"replica/{replica}").decode().split(" ")
-        return zmq, None if http == "off" else http
+        generation, zmq, http = self.store.get(f"replica/{replica}").decode().split(" ")
+        return int(generation), zmq, None if http == "off" else http
 
-    def report_down(self, replica: int, reason: str) -> None:
-        self.store.set(f"down/{replica}", reason)
+    def report_down(self, replica: int, reason: str, generation: int = 0, restart_in: float | None = None) -> None:
+        self.store.set(f"down/{replica}", f"{generation} {'-' if restart_in is None else restart_in} {reason}")
 
-    def down(self, replicas: list[int]) -> dict[int, str]:
-        """Which of `replicas` their nodes reported ended, and why."""
-        out = {}
-        for r in replicas:
-            if self.store.check([f"down/{r}"]):
-                out[r] = self.store.get(f"down/{r}").decode()
-        return out
+    def down_report(self, replica: int) -> tuple[int, str, float | None] | None:
+        """Replica `replica`'s latest end, as its node reported it: (generation, why, seconds
+        until its node starts it again or None)."""
+        if not self.store.check([f"down/{replica}"]):
+            return None
+        generation, restart_in, reason = self.store.get(f"down/{replica}").decode().split(" ", 2)
+        return int(generation), reason, None if restart_in == "-" else float(restart_in)
 
     def stop(self) -> None:
         self.store.set("stop", "1")

@@ -9,6 +9,7 @@ replica (launcher/signals.py), and each replica gets the same signals in turn.""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
@@ -28,11 +29,11 @@ from meshserve.engine.tokenizer import Tokenizer
 from meshserve.launcher.errors import StartupError
 from meshserve.launcher.network import host_address, interface_address
 from meshserve.engine.serving.replicas.admin import admin_router
-from meshserve.engine.serving.replicas.replica_states import ReplicaDown, ReplicaStates
+from meshserve.engine.serving.replicas.replica_states import ReplicaDown, ReplicaStates, ReplicaUp
 from meshserve.launcher.replica_keeper import ReplicaKeeper
 from meshserve.launcher.replica_registry import ReplicaRegistry
 from meshserve.launcher.replicas import (STOP_GRACE_S, ReplicaProcess, core_shares, disaggregation_overrides, free_ports,
-                                         replica_argv, replica_overrides, start_replica, stop_replicas, wait_stopped)
+                                         replica_argv, replica_overrides, start_replica)
 from meshserve.launcher.signals import on_stop_signals
 
 log = logging.getLogger("meshserve")
@@ -87,11 +88,6 @@ def replica_starter(config: Config, argv: list[str], node_rank: int, kv_store: s
                              on_exit)
 
     return start
-
-
-def start_node_replicas(config: Config, argv: list[str], node_rank: int, on_exit, kv_store: str = "") -> list[ReplicaProcess]:
-    start = replica_starter(config, argv, node_rank, kv_store)
-    return [start(r, on_exit) for r in node_replicas(config, node_rank)]
 
 
 def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: list[str], drain_timeout: float,
@@ -158,7 +154,7 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     if frontends.http is not None:
         frontends.http.health_source = door.health
     if registry is not None:
-        _watch_remote(registry, remote, inbox, door)
+        _watch_remote(registry, remote, inbox, urls)
     on_stop_signals(f"draining {len(keeper.replicas)} replicas", drain_timeout,
                     drain=lambda: _drain(door, keeper, registry, drain_timeout),
                     end_now=keeper.stop_all)
@@ -180,8 +176,10 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
 
 
 def serve_node(config: Config, argv: list[str], node_rank: int, drain_timeout: float) -> int:
-    """Node `node_rank` > 0: its replicas, announced to node 0's registry, until node 0 says
-    stop (or is gone: the store stops answering) or they all end; 0 if they were stopped."""
+    """Node `node_rank` > 0: its replicas, announced to node 0's registry (and announced
+    again, a generation later, each time one is started again after a failure), until node
+    0 says stop (or is gone: the store stops answering) or they all end for good; 0 if they
+    were stopped."""
     log.info("node %d: meeting node 0 at %s:%d (up to %d s)", node_rank, config.cluster.master_addr,
              config.cluster.master_port, config.cluster.rendezvous_timeout)
     try:
@@ -190,44 +188,52 @@ def serve_node(config: Config, argv: list[str], node_rank: int, drain_timeout: f
         raise StartupError(f"node {node_rank}: waited {config.cluster.rendezvous_timeout} s (cluster.rendezvous_timeout) "
                            f"for node 0's registry at {config.cluster.master_addr}:{config.cluster.master_port}: "
                            f"{type(e).__name__}: {e}") from None
-    ended: dict[int, str] = {}
-    replicas = start_node_replicas(config, argv, node_rank, lambda index, reason: ended.setdefault(index, reason),
-                                   kv_store_address(config, None))
+    events: queue.Queue = queue.Queue()
+    indices = node_replicas(config, node_rank)
+    keeper = ReplicaKeeper(replica_starter(config, argv, node_rank, kv_store_address(config, None)), indices,
+                           config.router, events.put)
     stopping: list[float] = []
-
-    def stop() -> None:
-        if not stopping:
-            stopping.append(time.monotonic())
-            stop_replicas(replicas)
 
     def stop_for(reason: str) -> None:
         if not stopping:
             log.info("node %d: %s: stopping its replicas (they drain, up to %.0f s)", node_rank, reason, drain_timeout)
-        stop()
+            stopping.append(time.monotonic())
+            keeper.stop_all()
 
-    on_stop_signals(f"draining node {node_rank}'s {len(replicas)} replicas", drain_timeout, drain=stop,
-                    end_now=lambda: stop_replicas(replicas))
-    announced: set[int] = set()
-    reported: set[int] = set()
-    while len(reported) < len(replicas):
-        time.sleep(NODE_POLL_S)
+    on_stop_signals(f"draining node {node_rank}'s {len(indices)} replicas", drain_timeout,
+                    drain=lambda: stop_for("told to stop"), end_now=keeper.stop_all)
+    ups = {r: -1 for r in indices}
+    """Each replica's generation announced last (-1: not yet)."""
+    downs = {r: 0 for r in indices}
+    ended: set[int] = set()
+    while len(ended) < len(indices):
         try:
-            for replica in replicas:
-                if replica.ready.is_set() and replica.index not in announced:
+            for replica in keeper.replicas:
+                if replica.ready.is_set() and ups[replica.index] < 0:
+                    ups[replica.index] = 0
                     registry.announce(replica.index, replica.zmq, replica.http)
-                    announced.add(replica.index)
-            for index, reason in list(ended.items()):
-                if index not in reported:
-                    registry.report_down(index, reason)
-                    reported.add(index)
+            if min(ups.values()) >= 0:
+                keeper.heal()
+            try:
+                event = events.get(timeout=NODE_POLL_S)
+            except queue.Empty:
+                event = None
+            if isinstance(event, ReplicaDown):
+                downs[event.replica] += 1
+                registry.report_down(event.replica, event.reason, downs[event.replica], event.restart_in)
+                if event.restart_in is None:
+                    ended.add(event.replica)
+            elif isinstance(event, ReplicaUp):
+                ups[event.replica] += 1
+                registry.announce(event.replica, event.zmq, keeper.processes[event.replica].http, ups[event.replica])
             if registry.stopping():
                 stop_for("node 0 stops the deployment")
         except Exception as e:  # the store is gone with node 0
             stop_for(f"node 0's registry stopped answering ({type(e).__name__})")
-            reported.update(ended)
+            ended.update(r for r in indices if keeper.processes[r].process.poll() is not None)
         if stopping and time.monotonic() - stopping[0] > drain_timeout + STOP_GRACE_S:
-            wait_stopped(replicas, 0.0)
-    wait_stopped(replicas, STOP_GRACE_S)
+            keeper.wait(0.0)
+    keeper.wait(STOP_GRACE_S)
     return 0 if stopping else 1
 
 
@@ -248,33 +254,45 @@ def _wait_ready(replicas: list[ReplicaProcess], registry: ReplicaRegistry | None
                                    f"(cluster.rendezvous_timeout + cluster.handshake_timeout)")
         addresses[replica.index] = replica.zmq, replica.http
     for r in remote:
-        while (found := registry.address(r)) is None:
-            down = registry.down([r])
-            if down:
-                raise StartupError(f"replica {r} exited while starting ({down[r]})")
+        while (found := registry.announcement(r)) is None:
+            down = registry.down_report(r)
+            if down is not None:
+                raise StartupError(f"replica {r} exited while starting ({down[1]})")
             if time.monotonic() > deadline:
                 raise StartupError(f"replica {r} (on another node) did not serve within {timeout:.0f} s "
                                    f"(cluster.rendezvous_timeout + cluster.handshake_timeout): is its node started "
                                    f"with --node-rank?")
             time.sleep(NODE_POLL_S)
-        addresses[r] = found
+        addresses[r] = found[1:]
     return addresses
 
 
-def _watch_remote(registry: ReplicaRegistry, remote: list[int], inbox: WakingInbox, door: FrontDoor) -> None:
-    """Tell the front door when another node reports one of its replicas ended."""
+def _watch_remote(registry: ReplicaRegistry, remote: list[int], inbox: WakingInbox, urls: dict[int, str | None]
+                  ) -> None:
+    """Tell the front door when another node reports one of its replicas ended, and when it
+    announces one it started again."""
 
     def watch() -> None:
-        seen: set[int] = set()
-        while len(seen) < len(remote):
+        ups = {r: 0 for r in remote}
+        downs = {r: 0 for r in remote}
+        final: set[int] = set()
+        while len(final) < len(remote):
             try:
-                down = registry.down([r for r in remote if r not in seen])
+                for r in remote:
+                    down = registry.down_report(r)
+                    if down is not None and down[0] > downs[r]:
+                        downs[r] = down[0]
+                        inbox.put(ReplicaDown(r, down[1], restart_in=down[2]))
+                        if down[2] is None:
+                            final.add(r)
+                    up = registry.announcement(r)
+                    if up is not None and up[0] > ups[r]:
+                        ups[r] = up[0]
+                        urls[r] = up[2]
+                        inbox.put(ReplicaUp(r, up[1]))
             except Exception as e:  # the store is this process's own: it goes only at exit
                 log.debug("registry: %s", e)
                 return
-            for r, reason in down.items():
-                seen.add(r)
-                inbox.put(ReplicaDown(r, reason))
             time.sleep(NODE_POLL_S)
 
     threading.Thread(target=watch, name="meshserve-registry", daemon=True).start()

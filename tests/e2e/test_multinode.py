@@ -2,7 +2,8 @@
 nodes (tp = 2 inside each, pp = 2 across them) started by `meshserve serve --node-rank K` and
 by torchrun, and two replicas (parallel.data=2), one per node, behind node 0's front door;
 `mpiexec -n 4` with mpi4py; the deepspeed launcher; disaggregated prefill on node 0 and
-decode on node 1, the KV crossing between them. Greedy tokens equal one rank's.
+decode on node 1, the KV crossing between them; node 1 starting its failed replica again.
+Greedy tokens equal one rank's.
 Across the namespaces the control plane is CURVE-encrypted (the configs carry a secret): a
 process on node 1 without it hears nothing on the driver's PUB port and its forged results
 change nothing; without a secret (and without cluster.insecure_control_plane) every node
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ import yaml
 
 from meshserve.client import Client
 from support.multinode import CLI, SECRET, tool, write_config
-from support.server import MeshserveProcess, free_port
+from support.server import MeshserveProcess, free_port, process_env
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
 MAX_TOKENS = 8
@@ -162,6 +164,36 @@ def test_two_nodes_one_replica_each_behind_node0s_front_door(nodes, tmp_path, ti
         served = re.findall(r"replica (\d) \| .*stopped after \d+ steps, (\d+) requests", node0.tail(200_000) +
                             node1.tail(200_000))
         assert sorted(served) == [("0", "1"), ("1", "1")], served
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_a_replica_on_node1_that_fails_is_started_again_by_its_node(nodes, tmp_path, tiny_checkpoints,
+                                                                      one_rank_tokens):
+    """parallel.data=2 over two nodes, node 1's replica SIGKILLed: node 1 starts it again and
+    announces it anew; node 0's front door routes to it again, with one rank's tokens."""
+    address = f"tcp://{nodes.addresses[0]}:5559"
+    cfg = write_config(tmp_path, tiny_checkpoints["llama"], "heal.yaml", tensor=1, zmq=address, secret=SECRET,
+                       cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": 29545,
+                                "interface": nodes.interface, "rendezvous_timeout": 120, "handshake_timeout": 120})
+    procs = serve_two_nodes(nodes, tmp_path, lambda k: [*CLI, "serve", str(cfg), "--set", "parallel.data=2",
+                                                        "--set", "router.restart_backoff=0.2", "--node-rank", str(k)])
+    node0, node1 = procs
+    try:
+        node0.wait_ready(240)
+        replica = next(pid for pid in node1.descendants() if process_env(pid) is not None
+                       and process_env(pid).get(b"MESHSERVE_REPLICA") == b"1")
+        os.kill(replica, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while "replica 1 serves again (restart 1)" not in node0.tail(200_000):
+            assert time.monotonic() < deadline, node0.tail() + node1.tail()
+            time.sleep(0.3)
+        assert "replica 1 is out of service: killed by SIGKILL (restarted in 0.2 s)" in node0.tail(200_000)
+        assert tokens_from_node0(nodes, address) == one_rank_tokens  # both replicas: least-loaded alternates
+        assert node0.stop() == 0, node0.tail()
+        assert node1.proc.wait(90) == 0, node1.tail()
     finally:
         for p in procs:
             p.kill()
