@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -142,14 +143,20 @@ def test_two_nodes_serve_node_rank_tp2_pp2_matches_one_rank(nodes, tmp_path, tin
             p.kill()
 
 
+def replicas_config(tmp_path, tiny_checkpoints, nodes, name: str, zmq_port: int, port: int) -> tuple[str, Path]:
+    """A config of one-rank replicas spread over the two nodes: (node 0's client address, file)."""
+    address = f"tcp://{nodes.addresses[0]}:{zmq_port}"
+    return address, write_config(tmp_path, tiny_checkpoints["llama"], name, tensor=1, zmq=address, secret=SECRET,
+                                 cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": port,
+                                          "interface": nodes.interface, "rendezvous_timeout": 120,
+                                          "handshake_timeout": 120})
+
+
 @pytest.mark.slow
 def test_two_nodes_one_replica_each_behind_node0s_front_door(nodes, tmp_path, tiny_checkpoints, one_rank_tokens):
     """parallel.data=2 over two nodes: node 0 runs the front door and replica 0, node 1
     replica 1, which it announces to node 0 and stops when node 0 stops."""
-    address = f"tcp://{nodes.addresses[0]}:5557"
-    cfg = write_config(tmp_path, tiny_checkpoints["llama"], "dp2.yaml", tensor=1, zmq=address, secret=SECRET,
-                       cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": 29530,
-                                "interface": nodes.interface, "rendezvous_timeout": 120, "handshake_timeout": 120})
+    address, cfg = replicas_config(tmp_path, tiny_checkpoints, nodes, "dp2.yaml", 5557, 29530)
     procs = serve_two_nodes(nodes, tmp_path, lambda k: [*CLI, "serve", str(cfg), "--set", "parallel.data=2",
                                                         "--node-rank", str(k)])
     node0, node1 = procs
@@ -174,10 +181,7 @@ def test_a_replica_on_node1_that_fails_is_started_again_by_its_node(nodes, tmp_p
                                                                       one_rank_tokens):
     """parallel.data=2 over two nodes, node 1's replica SIGKILLed: node 1 starts it again and
     announces it anew; node 0's front door routes to it again, with one rank's tokens."""
-    address = f"tcp://{nodes.addresses[0]}:5559"
-    cfg = write_config(tmp_path, tiny_checkpoints["llama"], "heal.yaml", tensor=1, zmq=address, secret=SECRET,
-                       cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": 29545,
-                                "interface": nodes.interface, "rendezvous_timeout": 120, "handshake_timeout": 120})
+    address, cfg = replicas_config(tmp_path, tiny_checkpoints, nodes, "heal.yaml", 5559, 29545)
     procs = serve_two_nodes(nodes, tmp_path, lambda k: [*CLI, "serve", str(cfg), "--set", "parallel.data=2",
                                                         "--set", "router.restart_backoff=0.2", "--node-rank", str(k)])
     node0, node1 = procs
@@ -204,10 +208,7 @@ def test_prefill_on_node0_and_decode_on_node1(nodes, tmp_path, tiny_checkpoints,
     """Disaggregated across the nodes: replica 0 (node 0) computes every prompt and sends its
     KV over cluster.interface to replica 1 (node 1), which decodes: the tokens of one rank,
     KV bytes landed on node 1, and no prompt token computed there."""
-    address = f"tcp://{nodes.addresses[0]}:5558"
-    cfg = write_config(tmp_path, tiny_checkpoints["llama"], "pd.yaml", tensor=1, zmq=address, secret=SECRET,
-                       cluster={"nodes": 2, "master_addr": nodes.addresses[0], "master_port": 29535,
-                                "interface": nodes.interface, "rendezvous_timeout": 120, "handshake_timeout": 120})
+    address, cfg = replicas_config(tmp_path, tiny_checkpoints, nodes, "pd.yaml", 5558, 29535)
     procs = serve_two_nodes(nodes, tmp_path, lambda k: [
         *CLI, "serve", str(cfg), "--set", "parallel.data=2", "--set", "disaggregation.prefill_replicas=1",
         "--set", "server.http=0.0.0.0:0", "--node-rank", str(k)])
