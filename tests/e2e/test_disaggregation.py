@@ -131,13 +131,13 @@ def _stream(address: str, prompt: list[int], max_tokens: int, started: threading
 
 @pytest.mark.slow
 def test_a_killed_prefill_replica_loses_no_request_and_is_started_again(tmp_path):
-    """The prefill replica SIGKILLed while a long prompt computes: that request starts over
+    """The prefill replica SIGKILLed while a long prompt (1,500 tokens) computes: that request starts over
     and, with no prefill replica serving, the decode replica computes it itself; the stream
     already decoding finishes; both have the tokens of an undisturbed run. The prefill
     replica is started again within 60 s, pairs anew with the decode replica's ranks, and
     computes prompts again (the decode replica none)."""
     shm_before = {p.name for p in Path("/dev/shm").glob("meshserve-*")}
-    server, address, url = serve(tmp_path, "disagg-kill", *DISAGG, "model.max_model_len=4096",
+    server, address, url = serve(tmp_path, "disagg-kill", *DISAGG, "model.max_model_len=2048",
                                  "scheduler.max_batched_tokens=256", "router.restart_backoff=0.2")
     try:
         prefill = replica_process(server, 0)  # world size 1: the replica's process is its rank
@@ -148,7 +148,7 @@ def test_a_killed_prefill_replica_loses_no_request_and_is_started_again(tmp_path
         assert started.wait(60)
         long = {}
         long_started = threading.Event()
-        threading.Thread(target=_stream, args=(address, list(range(1000, 4000)), 4, long_started, long),
+        threading.Thread(target=_stream, args=(address, list(range(1000, 2500)), 4, long_started, long),
                          daemon=True).start()
         time.sleep(1.0)  # its prompt computes on replica 0, in chunks of 256 tokens
         killed = time.monotonic()
@@ -157,6 +157,7 @@ def test_a_killed_prefill_replica_loses_no_request_and_is_started_again(tmp_path
         t.join(180)
         assert "error" not in long and "error" not in decoding, (long, decoding)
         assert len(long["tokens"]) == 4 and len(decoding["tokens"]) == 200
+        assert "prefill replica 0 failed: killed by SIGKILL" in server.tail(1 << 20)  # it was computing the prompt
         while (health := httpx.get(f"{url}/health", timeout=5).json())["status"] != "ok":
             assert time.monotonic() - killed < 60, health
             time.sleep(0.2)
@@ -165,7 +166,7 @@ def test_a_killed_prefill_replica_loses_no_request_and_is_started_again(tmp_path
         computed = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_prompt_tokens_computed_total")
         with Client(address, timeout=180) as client:  # undisturbed, through the prefill replica started again
             again = [client.generate(p, max_tokens=n, ignore_eos=True, temperature=0).token_ids
-                     for p, n in ((list(range(1000, 4000)), 4), (list(range(100, 140)), 200))]
+                     for p, n in ((list(range(1000, 2500)), 4), (list(range(100, 140)), 200))]
         assert again == [long["tokens"], decoding["tokens"]]
         after = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_prompt_tokens_computed_total")
         one, zero = ('replica="1"',), ('replica="0"',)
