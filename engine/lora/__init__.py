@@ -1,0 +1,1 @@
+"""LoRA adapters: read in PEFT's format, applied per row of a batch."""
