@@ -424,15 +424,20 @@ class FrontDoor:
             p = self._pending[link_id]
             if p.phase is Phase.PREFILLING and p.prefill not in self.down:
                 self.links[p.prefill].abort(link_id)
-            self._forget(link_id, completed=False)
-            if p.aborted:
-                self._reply(p, p.aborted_delta())
-            elif self._may_retry(p):
-                p.tried = {r}  # the replicas it left before may serve again
-                self._retry(p, event.reason)
-            else:
-                self._reply(p, ErrorReply(p.cmd.request_id, "unavailable", f"replica {r} failed: {event.reason}"))
+            self._move_off(link_id, p, r, event.reason, f"replica {r} failed: {event.reason}")
         return not expected
+
+    def _move_off(self, link_id: str, p: Pending, r: int, why: str, error: str) -> None:
+        """`p` leaves replica `r` (failed or drained): its last delta if it was aborted, else
+        on to another replica if it may go, else `unavailable` with `error`."""
+        self._forget(link_id, completed=False)
+        if p.aborted:
+            self._reply(p, p.aborted_delta())
+        elif self._may_retry(p):
+            p.tried = {r}  # the replicas it left before may serve again
+            self._retry(p, why)
+        else:
+            self._reply(p, ErrorReply(p.cmd.request_id, "unavailable", error))
 
     def _on_up(self, event: ReplicaUp) -> None:
         """A restarted replica serves: a new link to it, and it takes requests again."""
@@ -549,14 +554,7 @@ class FrontDoor:
                 else:
                     self.links[p.replica].abort(link_id)
                     self.links[r].abort(link_id)
-                self._forget(link_id, completed=False)
-                if p.aborted:
-                    self._reply(p, p.aborted_delta())
-                elif self._may_retry(p):
-                    p.tried = {r}
-                    self._retry(p, f"replica {r} drained for {drain.then}")
-                else:
-                    self._reply(p, ErrorReply(p.cmd.request_id, "unavailable", f"replica {r} was drained"))
+                self._move_off(link_id, p, r, f"replica {r} drained for {drain.then}", f"replica {r} was drained")
             drain.stopping = True
             log.warning("replica %d: drained (%d requests moved); %s", r, len(left),
                         {"stop": "stopping it", "restart": "restarting it", "remove": "removing it"}[drain.then])
