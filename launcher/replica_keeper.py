@@ -37,7 +37,7 @@ class ReplicaKeeper:
         overrides `sets` (launcher/replicas.py start_replica); `post(event)`: to the front
         door's inbox; `on_ready(replica)`: a started replica serves (before the front door
         hears it)."""
-        self.start, self.policy, self.post, self.on_ready = start, policy, post, on_ready
+        self._start_process, self.policy, self.post, self.on_ready = start, policy, post, on_ready
         self.processes: dict[int, ReplicaProcess] = {}
         self.sets: dict[int, list[str]] = {r: [] for r in indices}
         """Each replica's own overrides (the admin API's restart and add)."""
@@ -90,14 +90,13 @@ class ReplicaKeeper:
             stop_replicas([process])
 
     def start(self, replica: int, sets: list[str] | None) -> None:
-        if sets is not None:
-            self.sets[replica] = list(sets)
+        if sets is not None or replica not in self.sets:
+            self.sets[replica] = list(sets or [])
         self.in_a_row[replica] = 0
         threading.Thread(target=self._launch, args=(replica,), daemon=True).start()
 
     def add(self, replica: int, sets: list[str]) -> None:
-        self.sets[replica], self.in_a_row[replica] = list(sets), 0
-        threading.Thread(target=self._launch, args=(replica,), daemon=True).start()
+        self.start(replica, sets)
 
     # ------------------------------------------------------------------ on the replicas' threads
 
@@ -137,7 +136,7 @@ class ReplicaKeeper:
         with self._lock:
             if self._stopping.is_set():
                 return
-            replica = self.processes[index] = self._starter.submit(self.start, index, self._on_exit,
+            replica = self.processes[index] = self._starter.submit(self._start_process, index, self._on_exit,
                                                                    self.sets[index]).result()
         while not replica.ready.wait(0.2):
             if replica.process.poll() is not None or self._stopping.is_set():

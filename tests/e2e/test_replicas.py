@@ -352,6 +352,14 @@ def test_a_rolling_restart_under_load_loses_no_request_and_the_admin_api_adds_an
             assert time.monotonic() < deadline + 60, health
             time.sleep(0.3)
         assert health["status"] == "ok" and health["replicas"]["each"][2]["state"] == "removed", health
+        assert call("drain", "1").returncode == 0  # stopped by the admin API, then started again by it
+        while (health := httpx.get(f"{url}/health", timeout=5).json())["replicas"]["each"][1]["state"] != "stopped":
+            assert time.monotonic() < deadline + 120, health
+            time.sleep(0.3)
+        assert call("restart", "1").returncode == 0
+        while (health := httpx.get(f"{url}/health", timeout=5).json())["replicas"]["each"][1]["state"] != "serving":
+            assert time.monotonic() < deadline + 180, health
+            time.sleep(0.3)
         state = samples(httpx.get(f"{url}/metrics", timeout=30).text, "meshserve_replica_state")
         assert state[('replica="2"', 'state="removed"')] == 1.0, state
         assert server.stop() == 0, server.tail()
