@@ -13,11 +13,12 @@ import msgspec
 
 from meshserve.comm.messages import GenerateRequest, SamplingParams, StructuredOutputs
 
-PARAMS = (*SamplingParams.__struct_fields__, "cache_salt", "structured_outputs")
+PARAMS = (*SamplingParams.__struct_fields__, "cache_salt", "structured_outputs", "lora")
 """The keywords `generate` takes beyond the prompt: SamplingParams' fields (max_tokens,
 temperature, top_p, top_k, seed, stop, ...), cache_salt (the request shares cached KV blocks
-only with requests of the same salt) and structured_outputs (a StructuredOutputs, or a dict
-of its fields: json, regex, choice, grammar or json_object)."""
+only with requests of the same salt), structured_outputs (a StructuredOutputs, or a dict
+of its fields: json, regex, choice, grammar or json_object) and lora (the name of the LoRA
+adapter to run with)."""
 
 _PATH = re.compile(r" - at `\$\.(\w+)[^`]*`$")
 
@@ -34,6 +35,9 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
     salt = params.pop("cache_salt", None)
     if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= 256):
         raise ValueError(f"{caller}(): cache_salt: a string of 1 to 256 characters, got {salt!r:.80}")
+    lora = params.pop("lora", None)
+    if lora is not None and not (isinstance(lora, str) and 1 <= len(lora) <= 128):
+        raise ValueError(f"{caller}(): lora: an adapter's name, a string of 1 to 128 characters, got {lora!r:.80}")
     structured = params.pop("structured_outputs", None)
     if isinstance(structured, dict):
         try:
@@ -53,9 +57,9 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
     rid = request_id or uuid.uuid4().hex
     if isinstance(prompt, str):
         return GenerateRequest(rid, prompt=prompt, params=sampling, stream=stream, cache_salt=salt,
-                               structured_outputs=structured)
+                               structured_outputs=structured, lora=lora)
     if not isinstance(prompt, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise TypeError(f"{caller}(): the prompt is a string or a sequence of token ids (ints), "
                         f"got {type(prompt).__name__}")
     return GenerateRequest(rid, prompt_token_ids=list(prompt), params=sampling, stream=stream, cache_salt=salt,
-                           structured_outputs=structured)
+                           structured_outputs=structured, lora=lora)

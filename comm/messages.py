@@ -195,6 +195,8 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     """Disaggregated prefill/decode: this replica's part of the request (the front door sets it)."""
     resume: Resume | None = None
     """Migration: the output so far of a stream another replica started (the front door sets it)."""
+    lora: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    """The LoRA adapter the request runs with (its name as the server serves it); None: the base model."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -313,6 +315,16 @@ class NewSeq(Struct, array_like=True, frozen=True):
     draft: list[int] = []
     """Speculative decoding: tokens proposed after the known ones, computed in this step
     (the last `len(draft)` of num_new) and verified by the sampling rank."""
+    lora_slot: int = -1
+    """The slot of the LoRA adapter it runs with (the same while it lives); -1: none."""
+
+
+class LoraLoad(Struct, array_like=True, frozen=True):
+    """Before the step: read an adapter into a slot (whatever the slot held gives way)."""
+
+    slot: int
+    name: str
+    path: str
 
 
 class SeqDelta(Struct, array_like=True, frozen=True):
@@ -391,6 +403,8 @@ class StepPlan(Struct, frozen=True, tag="plan"):
     """Grammar masks of the constrained sequences this step samples (None: none is)."""
     kv: KvOps | None = None
     """Disaggregated prefill/decode: the KV transfers this step starts, lands or ends."""
+    loras: list[LoraLoad] = []
+    """LoRA adapters to load before the step (the ones its new sequences need that no slot held)."""
 
     @property
     def num_seqs(self) -> int:

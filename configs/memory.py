@@ -94,6 +94,8 @@ class MemoryPlan:
     """Weight-only quantization of the linear layers (config model.quantization)."""
     kv_dtype: str = "auto"
     """config cache.dtype: `auto` (the cache holds `dtype`) or `int8`."""
+    lora_bytes: int = 0
+    """The largest rank's LoRA adapter slots (lora.max_loras x lora.max_rank wide), held beside the weights."""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -148,4 +150,20 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
             f"fewer than {_share(max_len, need, cp)}; raise cache.memory (now {int(config.cache.memory)} bytes, "
             f"{kv_per_token} bytes per token) or lower model.max_model_len"
         )
-    return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len, quantization, config.cache.dtype)
+    return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len, quantization, config.cache.dtype,
+                      lora_slot_bytes(config, info) * most_layers * config.lora.max_loras if config.lora.active else 0)
+
+
+def lora_slot_bytes(config: Config, info: ModelInfo) -> int:
+    """One layer's share of one LoRA slot on a rank (layers/lora.py LoraStack: each target
+    layer's A and B, its modules stacked, lora.max_rank wide each, sharded as the layer is)."""
+    tp, r = config.parallel.tensor, config.lora.max_rank
+    h, d = info.hidden_size, info.head_dim
+    q = info.num_attention_heads * d // tp
+    kv = local_num_kv_heads(info.num_key_value_heads, tp) * d
+    inter = info.intermediate_size // tp
+    params = (3 * r * h + (q + 2 * kv) * 3 * r      # qkv: A whole, B split by heads
+              + r * q + h * r                       # o: A split by its input, B whole
+              + 2 * r * h + 2 * inter * 2 * r       # gate/up
+              + r * inter + h * r)                  # down
+    return params * DTYPE_BYTES[config.torch_dtype_name]

@@ -225,6 +225,35 @@ class SpeculativeConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    """LoRA adapters (meshserve.engine.lora) in PEFT's format, served beside the base model:
+    a request names one as its `model` (OpenAI API) or `lora` (ZMQ), and the rows of one
+    batch may each use another, without merging any weight. More can be loaded and unloaded
+    at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+
+    enabled: bool = False
+    """Serve adapters (implied by `adapters`; vLLM's --enable-lora)."""
+    adapters: dict[StrictStr, StrictStr] = {}
+    """name -> the adapter's directory (adapter_config.json, adapter_model.safetensors), loaded at start."""
+    max_loras: int = Field(4, ge=1, le=256)
+    """Adapters whose weights sit on the ranks at once: more are loaded as requests need them,
+    the least recently used one that no running request uses giving way."""
+    max_rank: int = Field(16, ge=1, le=512)
+    """The highest adapter rank served (vLLM's --max-lora-rank); every slot is this wide."""
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or bool(self.adapters)
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name, path in adapters.items():
+            if not name or len(name) > 128 or not path:
+                raise ValueError(f"lora.adapters: {name!r}: {path!r} needs a name of 1..128 characters and a path")
+        return adapters
+
+
 class MetricsConfig(Section):
     """`/metrics`: who may read it, and the roofline behind its MFU and MBU gauges."""
 
@@ -462,6 +491,7 @@ class Config(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @property
     def world_size(self) -> int:

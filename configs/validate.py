@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 
+from meshserve.configs.adapters import AdapterError, check_adapter
 from meshserve.configs.cpu_bind import cpu_bind_problems
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.errors import ConfigError
 from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.quantization import Quantization
-from meshserve.configs.schema import CacheConfig, ClusterConfig, Config, ModelConfig, ParallelConfig, SpeculativeConfig
+from meshserve.configs.schema import (CacheConfig, ClusterConfig, Config, LoraConfig, ModelConfig, ParallelConfig,
+                                      SpeculativeConfig)
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -227,7 +229,8 @@ def draft_config(config: Config, info: ModelInfo) -> Config:
         "cache": CacheConfig(block_size=config.cache.block_size, memory=spec.draft_memory, prefix_caching=False),
         "speculative": SpeculativeConfig(),
         "scheduler": config.scheduler.model_copy(update={"overlap": False}),  # the proposer reads each step
-        "cluster": ClusterConfig()})
+        "cluster": ClusterConfig(),
+        "lora": LoraConfig()})  # the draft proposes without the request's adapter; the target verifies with it
 
 
 def speculative_problems(config: Config, info: ModelInfo) -> list[str]:
@@ -275,6 +278,25 @@ def disaggregation_problems(config: Config) -> list[str]:
     if config.speculative.method == "draft":
         problems.append("disaggregation with speculative.method=draft: the draft model's own cache would need the "
                         "prompt too (use speculative.method=ngram)")
+    return problems
+
+
+def lora_problems(config: Config, info: ModelInfo) -> list[str]:
+    """LoRA adapters (lora.*): the model and topology they go with, and each adapter named at start."""
+    lora = config.lora
+    if not lora.active:
+        return []
+    if info.moe is not None:
+        return [f"lora with a mixture-of-experts model ({info.architecture}): adapters are served on dense models"]
+    problems = []
+    if config.disaggregation.enabled:
+        problems.append("lora with disaggregated prefill/decode: a prompt's KV depends on its adapter, which the "
+                        "decode replica would have to match (serve adapters on replicas that serve requests whole)")
+    for name, path in lora.adapters.items():
+        try:
+            check_adapter(name, path, info, lora.max_rank)
+        except (AdapterError, OSError, ValueError) as e:
+            problems.append(f"lora.adapters: {e}")
     return problems
 
 
@@ -354,6 +376,7 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
     problems += speculative_problems(config, info)
     problems += disaggregation_problems(config)
     problems += expert_problems(config, info)
+    problems += lora_problems(config, info)
     if config.device.compile is True and (config.device.type != "cpu" or config.world_size > 1):
         problems.append(f"device.compile=true runs on one CPU rank; here device.type={config.device.type} and "
                         f"{config.world_size} ranks (parallel.tensor={tp}, parallel.pipeline={pp}, "

@@ -97,7 +97,7 @@ class BlockManager:
 
     def _hashes(self, seq: Sequence) -> list[bytes]:
         if seq.hash_root is None:
-            seq.hash_root = root_hash(self.cache_kind, seq.cache_salt)
+            seq.hash_root = root_hash(self.cache_kind, seq.cache_salt, seq.lora.key if seq.lora is not None else None)
         return extend_hashes(seq.block_hashes, seq.token_ids, self.unit, seq.hash_root)
 
     def match(self, seq: Sequence) -> list[int]:

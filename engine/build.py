@@ -22,6 +22,7 @@ from meshserve.engine.calibration import calibration_ids
 from meshserve.engine.engine import Engine
 from meshserve.engine.executor import Executor, LocalExecutor
 from meshserve.engine.kv_agent import KvAgent
+from meshserve.engine.lora.registry import LoraRegistry
 from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.speculative.draft_model import DraftModelProposer
 from meshserve.engine.speculative.policy import DraftPolicy
@@ -45,7 +46,8 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
                        compile_decode=decode_compile(config, info), calibration=calibration_ids(config, info, tokenizer),
                        expert_exchange=config.parallel.expert_exchange,
                        decode_graphs=config.scheduler.max_num_seqs if uses_decode_graphs(config) else 0,
-                       compile_in_background=not device_cfg.compile_wait, overlap=uses_overlap(config))
+                       compile_in_background=not device_cfg.compile_wait, overlap=uses_overlap(config),
+                       lora=(config.lora.max_loras, config.lora.max_rank) if config.lora.active else None)
 
 
 def decode_compile(config: Config, info: ModelInfo) -> bool | str:
@@ -81,7 +83,17 @@ def build_engine(config: Config, info: ModelInfo, memory: MemoryPlan, executor: 
     return Engine(executor, tokenizer, memory, config.scheduler, info.vocab_size,
                   micro_batches=config.parallel.num_micro_batches, cp_size=config.parallel.context,
                   prefix_caching=config.cache.prefix_caching, speculator=build_speculator(config, info, memory),
-                  role=replica_role(config), overlap=uses_overlap(config))
+                  role=replica_role(config), overlap=uses_overlap(config), loras=build_loras(config, info))
+
+
+def build_loras(config: Config, info: ModelInfo) -> LoraRegistry | None:
+    """The LoRA adapters served, those of lora.adapters registered (checked at start-up)."""
+    if not config.lora.active:
+        return None
+    registry = LoraRegistry(info, config.lora.max_loras, config.lora.max_rank)
+    for name, path in config.lora.adapters.items():
+        registry.register(name, path)
+    return registry
 
 
 def replica_role(config: Config) -> str | None:

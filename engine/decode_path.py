@@ -24,14 +24,17 @@ log = logging.getLogger(__name__)
 
 class EagerForward:
     """The model's eager forward: the fused C++ layers (`fused`) on the steps they take, else
-    the Python layer loop (which alone calls `after_layer`)."""
+    the Python layer loop (which alone calls `after_layer`, and alone adds LoRA deltas)."""
 
     def __init__(self, model, fused: FusedDecodeLayers | None):
         self.model, self.fused = model, fused
 
-    def __call__(self, input_ids, positions, kv_caches, meta, hidden=None, residual=None, after_layer=None):
+    def __call__(self, input_ids, positions, kv_caches, meta, hidden=None, residual=None, after_layer=None,
+                 loop: bool = False):
+        """`loop`: the Python layer loop whatever the step."""
         fused = self.fused
-        layers = fused if fused is not None and after_layer is None and fused.runs(kv_caches, meta) else None
+        layers = (fused if fused is not None and after_layer is None and not loop and fused.runs(kv_caches, meta)
+                  else None)
         return self.model(input_ids, positions, kv_caches, meta, hidden, residual, after_layer, layers)
 
 
@@ -91,10 +94,13 @@ class DecodePath:
         return self.graphs is not None and self.graphs.fits(query_lens)
 
     def run(self, input_ids, positions, kv_caches, meta, hidden=None, graph_step: tuple | None = None,
-            after_layer=None):
+            after_layer=None, lora: bool = False):
         """The step's (hidden, residual): from its graph (`graph_step`, the host lists
         DecodeGraphs.run takes; `meta` None then), compiled, or eager. `after_layer(i)`: the
-        KV-transfer hook, called after each layer (the step then runs eagerly)."""
+        KV-transfer hook, called after each layer (the step then runs eagerly). `lora`: rows of
+        the step use LoRA adapters, which only the Python layer loop adds (layers/lora.py)."""
+        if lora:
+            return self.eager(input_ids, positions, kv_caches, meta, hidden, after_layer=after_layer, loop=True)
         throttle = self.throttle
         if throttle is not None:
             throttle.note_step()

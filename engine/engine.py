@@ -19,6 +19,8 @@ from meshserve.configs.schema import SchedulerConfig
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.executor import Executor
 from meshserve.engine.handoff import Handoffs
+from meshserve.engine.lora.adapter import AdapterError
+from meshserve.engine.lora.registry import LoraRegistry
 from meshserve.engine.output_processor import OutputProcessor, RequestState
 from meshserve.engine.plan import PlanBuilder
 from meshserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -81,7 +83,8 @@ class InFlight:
 class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, memory: MemoryPlan, scheduler: SchedulerConfig,
                  vocab_size: int, micro_batches: int = 1, cp_size: int = 1, prefix_caching: bool = False,
-                 speculator: Speculator | None = None, role: str | None = None, overlap: bool = False):
+                 speculator: Speculator | None = None, role: str | None = None, overlap: bool = False,
+                 loras: LoraRegistry | None = None):
         """`micro_batches`: steps kept in flight at once (pipeline parallelism); each
         takes its share of the sequences, and no sequence is in two at once
         (meshserve.parallel.pipeline). `cp_size`: ranks a sequence's tokens are split
@@ -95,7 +98,8 @@ class Engine:
         driver receives the tokens of step n, checks stops and detokenizes while step n + 1
         runs. A stop found so finishes its request a step late; the token computed after it
         is dropped, never streamed. Sequences whose next step needs their last token here
-        wait for it instead: a grammar's mask, speculative drafts."""
+        wait for it instead: a grammar's mask, speculative drafts. `loras`: the LoRA adapters
+        served (engine/lora/registry.py), None where the server serves none."""
         if overlap and micro_batches != 1:
             raise ValueError(f"overlapped steps with {micro_batches} pipeline micro-batches: they already "
                              f"keep {micro_batches} steps in flight")
@@ -111,8 +115,8 @@ class Engine:
         # the KV of a block depends on its tokens, the model and what the cache holds
         cache_kind = f"{memory.dtype}/{memory.kv_dtype}/{memory.quantization}"
         blocks = BlockManager(memory.num_blocks, memory.block_size, cp_size, prefix_caching, cache_kind)
-        self.scheduler = Scheduler(blocks,
-                                   scheduler.max_num_seqs, scheduler.max_batched_tokens)
+        self.loras = loras
+        self.scheduler = Scheduler(blocks, scheduler.max_num_seqs, scheduler.max_batched_tokens, loras)
         self.plans = PlanBuilder()
         self.handoffs = Handoffs(role, memory.block_size)
         self._events: list[tuple[Hashable, object]] = []
@@ -136,13 +140,15 @@ class Engine:
 
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stream: bool = True, cache_salt: str | None = None, grammar: Grammar | None = None,
-                    handoff: KvHandoff | None = None, resume: Resume | None = None) -> None:
+                    handoff: KvHandoff | None = None, resume: Resume | None = None, lora: str | None = None) -> None:
         """Queue a validated request. `key` is unique among live requests. `cache_salt`: the
         request shares cached KV blocks only with requests of the same salt. `grammar`: the
         compiled constraint its output follows (engine/structured.py). `handoff`: this
         replica's part of a request two replicas serve (engine/handoff.py). `resume`: the
-        output so far of a stream another replica started (migration)."""
+        output so far of a stream another replica started (migration). `lora`: the name of the
+        adapter it runs with (None: the base model)."""
         self.handoffs.check(handoff)
+        adapter = self._adapter(lora)
         if resume is not None and handoff is not None:
             raise RequestError("bad_request", "a resumed request is served whole, without a handoff", "handoff")
         if handoff is not None and params.prompt_logprobs is not None:
@@ -160,7 +166,7 @@ class Engine:
             raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
         output_ids = list(resume.token_ids) if resume is not None else []
         seq = Sequence(self._next_seq_id, key, list(prompt_ids) + output_ids, len(prompt_ids), params,
-                       cache_salt=cache_salt, handoff=handoff)
+                       cache_salt=cache_salt, handoff=handoff, lora=adapter)
         self._next_seq_id += 1
         if grammar is not None:
             self.guided.add(seq.seq_id, grammar)
@@ -172,6 +178,29 @@ class Engine:
         self.requests[key] = state
         self._by_seq[seq.seq_id] = state
         self.scheduler.add(seq)
+
+    def _adapter(self, name: str | None):
+        if name is None:
+            return None
+        adapter = self.loras.adapters.get(name) if self.loras is not None else None
+        if adapter is None:
+            served = ", ".join(sorted(self.loras.adapters)) if self.loras is not None else ""
+            raise RequestError("bad_request", f"no LoRA adapter named {name!r} is loaded"
+                                              f"{f' (loaded: {served})' if served else ''}", "lora")
+        return adapter
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` (AdapterError: why it cannot be); its weights
+        reach the ranks when a request first needs them."""
+        if self.loras is None:
+            raise AdapterError("this server serves no LoRA adapters (start it with lora.enabled=true)")
+        self.loras.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`; the requests running with it finish with it."""
+        if self.loras is None:
+            raise AdapterError("this server serves no LoRA adapters")
+        self.loras.unregister(name)
 
     def _resume(self, state: RequestState, resume: Resume) -> None:
         """A migrated stream: its output so far goes through the constraint and the output

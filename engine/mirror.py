@@ -36,6 +36,8 @@ class MirrorSeq:
     """Context parallelism: tokens each rank of the group holds (empty without it)."""
     local_positions: list[int] = field(default_factory=list)
     """Context parallelism: positions of the tokens this rank holds, ascending (empty without it)."""
+    lora_slot: int = -1
+    """The slot of its LoRA adapter (-1: none)."""
 
     @property
     def fully_computed(self) -> bool:
@@ -98,7 +100,8 @@ class SequenceMirror:
                 seq.num_computed = d.num_computed
             chunks.append(self._compute(d.seq_id, seq, d.num_new, d.draft, d.deferred))
         for n in plan.new:
-            seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params)
+            seq = MirrorSeq(list(n.token_ids), n.prompt_len, list(n.block_ids), n.num_computed, n.params,
+                            lora_slot=n.lora_slot)
             if self.cp_size > 1:  # a cached prefix lies where a fresh prefill would have put it
                 owners = chunk_owners(0, n.num_computed, self.cp_size, self.block_size)
                 seq.local_lens = advance([0] * self.cp_size, owners)

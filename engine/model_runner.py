@@ -18,6 +18,7 @@ from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.block_tables import BlockTables
 from meshserve.engine.decode_path import DecodePath
 from meshserve.engine.kv_agent import KvAgent
+from meshserve.engine.lora.rank_adapters import RankAdapters, lora_kernel
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.pending_result import PendingResult
 from meshserve.engine.speculative.verify import accept
@@ -96,6 +97,8 @@ class StepInputs:
     deferred: list[tuple[int, int]] = field(default_factory=list)
     """Overlapped steps: (row, seq_id) of each row whose token the previous step sampled
     (SeqDelta.deferred); input_ids holds it, taken on the device."""
+    lora: bool = False
+    """Rows of the step use LoRA adapters (their slots are set on the model's LoraBatch)."""
 
 
 @dataclass
@@ -113,7 +116,8 @@ class ModelRunner:
                  sampler_seed: int | None = None, show_progress: bool = False,
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool | str = False,
                  calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
-                 decode_graphs: int = 0, compile_in_background: bool = False, overlap: bool = False):
+                 decode_graphs: int = 0, compile_in_background: bool = False, overlap: bool = False,
+                 lora: tuple[int, int] | None = None):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses);
@@ -127,7 +131,8 @@ class ModelRunner:
         eagerly, and switch to the graphs once they are ready (device.compile_wait=false).
         `overlap`: the driver overlaps steps (scheduler.overlap): each step's sampled tokens
         stay on the device, on every rank of the tensor-parallel group, for the next step's
-        deferred inputs, and `execute` returns the sampling rank's result unread."""
+        deferred inputs, and `execute` returns the sampling rank's result unread. `lora`:
+        (lora.max_loras, lora.max_rank) where the server serves LoRA adapters (engine/lora)."""
         self.overlap = overlap
         self._last: LastSampled | None = None
         self.info, self.memory, self.groups = info, memory, groups
@@ -139,13 +144,18 @@ class ModelRunner:
         # The C++ CPU kernels (None off the CPU or without a compiler), loaded once and passed to
         # what calls them: the cpu backend, the products, the sampler.
         library = cpu_library.load(cpu_isa) if self.device.type == "cpu" else None
+        self.adapters: RankAdapters | None = None
+        """The adapters' slots on this rank's layers, where the server serves LoRA adapters."""
+
+        def attach_adapters(model) -> None:
+            self.adapters = RankAdapters(model, info, *lora, self.dtype, lora_kernel(self.device, library))
         self.model = build_model(info, groups.tp, self.dtype, device=self.device, max_position=memory.max_model_len,
                                  layer_range=stage_layer_range(counts, groups.pp.rank),
                                  is_first_stage=groups.pp.is_first, is_last_stage=groups.pp.is_last,
                                  show_progress=show_progress, cp=groups.cp,
                                  backend=select_backend(kernels, self.device, library), library=library,
                                  quantization=memory.quantization, calibration=calibration, ep=groups.ep,
-                                 expert_exchange=expert_exchange)
+                                 expert_exchange=expert_exchange, before_pack=attach_adapters if lora else None)
         self.sender = StageSender(groups.pp)
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -191,6 +201,7 @@ class ModelRunner:
         positions: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []
         inputs = StepInputs(None, None, None, [], [], [])  # type: ignore[arg-type]
+        lora_slots: list[int] = []
         for c in batch:
             end = c.start + c.num_new
             if c.seq.params.prompt_logprobs is not None:
@@ -199,6 +210,7 @@ class ModelRunner:
                 if span is not None:
                     inputs.prompt_spans.append(span)
             ids.extend(c.input_ids)
+            lora_slots.extend([c.seq.lora_slot] * c.num_new)
             positions.extend(range(c.start, end))
             query_lens.append(c.num_new)
             seq_lens.append(end)
@@ -213,12 +225,20 @@ class ModelRunner:
             self._take_deferred(inputs)
         if self.block_tables is not None:
             block_tables = self.block_tables.rows([c.seq_id for c in batch], block_tables)
-        if not inputs.prompt_spans and self.decode.replays(query_lens):
+        inputs.lora = self._set_adapters(lora_slots)
+        if not inputs.prompt_spans and not inputs.lora and self.decode.replays(query_lens):
             inputs.graph_step = (inputs.input_ids, positions, seq_lens, block_tables)
             return inputs
         inputs.meta = self.model.backend.build_metadata(query_lens, seq_lens, block_tables, self.memory.block_size,
                                                         self.device)
         return inputs
+
+    def _set_adapters(self, slots: list[int]) -> bool:
+        """Tell the LoRA layers each row's adapter slot; whether any row has one."""
+        if self.adapters is None:
+            return False
+        self.adapters.batch.set(slots, self.device)
+        return self.adapters.batch.slots is not None
 
     def _take_deferred(self, inputs: StepInputs) -> None:
         """The deferred rows' tokens, from the previous step's on the device (no host wait)."""
@@ -249,11 +269,13 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         steps: list[CPSeqStep] = []
+        lora_slots: list[int] = []
         inputs = StepInputs(None, None, None, [], [], [])  # type: ignore[arg-type]
         for c in batch:
             share = rank_share(c.start, c.owners, cp.rank, cp.size)
             row0 = len(ids)
             ids.extend(c.seq.token_ids[p] for p in share.queries)
+            lora_slots.extend([c.seq.lora_slot] * len(share.queries))
             positions.extend(share.queries)
             # the mirror already counts this step: local_positions and local_lens are those after it
             steps.append(CPSeqStep(row0, share.queries, share.split, c.seq.block_ids, c.seq.local_positions,
@@ -274,6 +296,7 @@ class ModelRunner:
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         inputs.meta = build_cp_metadata(steps, cp.rank, self.memory.block_size, self.dtype, self.device)
+        inputs.lora = self._set_adapters(lora_slots)
         return inputs
 
     def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams, int]]:
@@ -366,6 +389,8 @@ class ModelRunner:
             self.sampler.state.forget([*plan.dropped, *(n.seq_id for n in plan.new)])
         if self.block_tables is not None:
             self.block_tables.apply(plan)
+        for load in plan.loras:
+            self.adapters.load(load.slot, load.name, load.path)
         batch = self.mirror.apply(plan)
         if not batch:
             self._last = None
@@ -381,7 +406,8 @@ class ModelRunner:
         try:
             hidden, residual = self.decode.run(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                                received, inputs.graph_step,
-                                               after_layer=self.kv.after_layer if sending else None)
+                                               after_layer=self.kv.after_layer if sending else None,
+                                               lora=inputs.lora)
         finally:
             if sending:
                 self.kv.after_step()

@@ -40,10 +40,10 @@ class PlanBuilder:
             else:
                 assert not seq.num_pending, f"seq {seq.seq_id}: a token pending, but the ranks do not know it"
                 new.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len, list(seq.block_ids),
-                                  seq.num_computed, n, seq.params, list(seq.draft)))
+                                  seq.num_computed, n, seq.params, list(seq.draft), seq.lora_slot))
             # a deferred token is the ranks' already: its value, once known here, is not sent
             seq.sent_tokens, seq.sent_blocks = seq.num_tokens + seq.num_pending, len(seq.block_ids)
-        plan = StepPlan(self._step_id, running, new, self._dropped, masks, kv)
+        plan = StepPlan(self._step_id, running, new, self._dropped, masks, kv, batch.lora_loads)
         self._step_id += 1
         self._dropped = []
         return plan

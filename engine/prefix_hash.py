@@ -1,7 +1,7 @@
 """The identity of a full KV block for prefix caching: a hash chained over the blocks before
 it. Plain Python.
 
-    root   = sha256("meshserve-kv-v1", what shapes the KV (the cache kind), the request's salt)
+    root   = sha256("meshserve-kv-v1", what shapes the KV (the cache kind), the request's salt, its LoRA adapter)
     hash_i = sha256(hash_{i-1}, the block's token ids as uint32)
 
 Two blocks with the same hash hold the K/V of the same tokens at the same positions after
@@ -19,12 +19,15 @@ import hashlib
 from array import array
 
 
-def root_hash(cache_kind: str, salt: str | None) -> bytes:
-    """The parent of a sequence's first block."""
+def root_hash(cache_kind: str, salt: str | None, adapter: str | None = None) -> bytes:
+    """The parent of a sequence's first block. `adapter`: the key of the LoRA adapter the
+    sequence runs with, which changes every layer's K and V after the first."""
     h = hashlib.sha256(b"meshserve-kv-v1\0")
     h.update(cache_kind.encode() + b"\0")
     if salt is not None:
-        h.update(b"salt\0" + salt.encode())
+        h.update(b"salt\0" + salt.encode() + b"\0")
+    if adapter is not None:
+        h.update(b"lora\0" + adapter.encode())
     return h.digest()
 
 

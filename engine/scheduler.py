@@ -22,7 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from meshserve.configs.roles import ReplicaRole
+from meshserve.comm.messages import LoraLoad
 from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.lora.registry import LoraRegistry
 from meshserve.engine.sequence import Sequence, SeqStatus
 
 
@@ -37,6 +39,8 @@ class ScheduledBatch:
     """Scheduler.launched has counted it."""
     samples: list[bool] = field(default_factory=list)
     """Per sequence (set by Scheduler.launched): whether the step samples a token of it."""
+    lora_loads: list[LoraLoad] = field(default_factory=list)
+    """Adapters the ranks load before the step: its admitted sequences' that no slot held."""
 
     @property
     def num_tokens(self) -> int:
@@ -47,8 +51,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int,
+                 loras: LoraRegistry | None = None):
+        """`loras`: the adapters served and their slots; a sequence takes its adapter's slot
+        when admitted, and waits, in order, while every slot holds an adapter in use."""
         self.blocks = block_manager
+        self.loras = loras
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -108,7 +116,7 @@ class Scheduler:
             # a request that asks for prompt logprobs computes its whole prompt: they come from it
             cached = self.blocks.match(seq) if seq.params.prompt_logprobs is None else []
             n = min(seq.num_tokens - len(cached) * self.blocks.unit, budget)
-            if not self.blocks.can_admit(seq, cached, n):
+            if not self.blocks.can_admit(seq, cached, n) or not self._place_adapter(seq, batch):
                 break
             self.waiting.popleft()
             self.blocks.admit(seq, cached, n)
@@ -118,6 +126,18 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
         return batch
+
+    def _place_adapter(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Give `seq` its adapter's slot (kept through preemption); False if none is free."""
+        if seq.lora is None or seq.lora_slot >= 0:
+            return True
+        placed = self.loras.acquire(seq.lora)
+        if placed is None:
+            return False
+        seq.lora_slot, load = placed
+        if load is not None:
+            batch.lora_loads.append(load)
+        return True
 
     def _reserve(self, seq: Sequence) -> bool:
         """Admit a disaggregated decode sequence into `receiving`: its cached prefix and
@@ -211,4 +231,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.release(seq)
+        if seq.lora_slot >= 0:
+            self.loras.release(seq.lora.key)
+            seq.lora_slot = -1
         seq.status = SeqStatus.FINISHED

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from meshserve.comm.messages import KvHandoff, SamplingParams
+from meshserve.engine.lora.registry import Registered
 
 
 class SeqStatus(enum.Enum):
@@ -58,6 +59,11 @@ class Sequence:
     # Disaggregated prefill/decode (meshserve.engine.handoff)
     handoff: KvHandoff | None = None
     """This replica's part of a request two replicas serve."""
+    # LoRA (meshserve.engine.lora)
+    lora: Registered | None = None
+    """The adapter it runs with, or None."""
+    lora_slot: int = -1
+    """Its adapter's slot on the ranks, from admission to its end (-1: none yet)."""
 
     @property
     def num_tokens(self) -> int:

@@ -193,6 +193,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"#   KV per token:      {memory.kv_bytes_per_token} bytes")
     print(f"#   KV cache:          {memory.num_blocks} blocks x {memory.block_size} tokens = "
           f"{memory.kv_cache_tokens} tokens, {_mib(memory.kv_cache_bytes)}")
+    if memory.lora_bytes:
+        print(f"#   LoRA slots:        {_mib(memory.lora_bytes)} ({config.lora.max_loras} adapters of rank "
+              f"<= {config.lora.max_rank}, lora.max_loras and lora.max_rank)")
     print(f"#   max_model_len:     {memory.max_model_len}")
     if config.parallel.data > 1:
         print(f"# replicas: {config.parallel.data} (parallel.data), each {config.world_size} rank(s) as above, "

@@ -44,8 +44,11 @@ FLAGS = (
     Flag(("-md", "--model-draft"), "speculative.model", str, "a draft model for speculative decoding "
                                                              "(llama-server's flag; implies speculative.method=draft)"),
     Flag(("--draft-max", "--draft"), "speculative.num_speculative_tokens", int, "most tokens a sequence proposes per step"),
+    Flag(("--max-loras",), "lora.max_loras", int, "LoRA adapters resident at once"),
+    Flag(("--max-lora-rank",), "lora.max_rank", int, "the highest LoRA rank served"),
 )
-"""Each sets one config key; --host, --port, --api-key and --speculative-config are handled below."""
+"""Each sets one config key; --host, --port, --api-key, --speculative-config, --enable-lora and
+--lora-modules are handled below."""
 
 SPECULATIVE_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                     "quantization", "dtype", "draft_memory", "adaptive"}
@@ -70,6 +73,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's speculative decoding settings, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 5}' [the speculative section's keys]")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters, loaded now or at run time [lora.enabled, default: false]")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve from the start, as NAME=PATH or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}' [lora.adapters; implies --enable-lora]")
 
 
 def _dest(flag: Flag) -> str:
@@ -118,8 +126,31 @@ def overrides(args: argparse.Namespace, model: str | None) -> list[str]:
         values.update(speculative_values(args.speculative_config))
     if values.get("speculative.model") and "speculative.method" not in values:
         values["speculative.method"] = "draft"
+    if args.enable_lora:
+        values["lora.enabled"] = True
+    if args.lora_modules:
+        values["lora.adapters"] = lora_modules(args.lora_modules)
+        values["lora.enabled"] = True
     # NOTE: JSON is YAML: a path or name like `on` or `1e3` stays a string
     return [f"{key}={json.dumps(value)}" for key, value in values.items()]
+
+
+def lora_modules(items: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... (or vLLM's JSON objects with name and path) -> lora.adapters."""
+    adapters = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"--lora-modules {item!r}: a JSON module has \"name\" and \"path\"") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {item!r}: expected NAME=PATH")
+        adapters[name] = path
+    return adapters
 
 
 def speculative_values(text: str) -> dict[str, object]:

@@ -17,6 +17,7 @@ import httpx
 import torch.distributed as dist
 import zmq
 
+from meshserve.configs.adapters import AdapterError
 from meshserve.configs.memory import MemoryPlan
 from meshserve.configs.model_info import ModelInfo
 from meshserve.configs.schema import Config
@@ -106,7 +107,8 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     tokenizer = Tokenizer(info, config.model.tokenizer)
     inbox = WakingInbox()
     router = Router(config.parallel.data, config.router.policy, config.cache.block_size, memory.num_blocks,
-                    config.router.balance_abs_tokens, config.router.balance_rel)
+                    config.router.balance_abs_tokens, config.router.balance_rel,
+                    config.lora.max_loras if config.lora.active else 0)
     urls: dict[int, str | None] = {}
     """Each replica's HTTP base URL (a restarted one's replaces its last)."""
     # NOTE: made whether or not HTTP serves them (counting unread is cheap), so that whether
@@ -146,7 +148,9 @@ def serve_replicas(config: Config, info: ModelInfo, memory: MemoryPlan, argv: li
     door = FrontDoor(inbox, frontends.all, links, router, config.router.retry, metrics,
                      reset_prefix_caches=lambda: _reset_prefix_caches(urls, router, config.server.api_key),
                      prefill_replicas=config.disaggregation.prefill_replicas,
-                     migration_limit=config.router.migration_limit, connect=connect, control=keeper, states=states)
+                     migration_limit=config.router.migration_limit, connect=connect, control=keeper, states=states,
+                     change_adapter=lambda r, name, path: _change_adapter(urls, router, config.server.api_key, r, name,
+                                                                          path))
     keeper.heal()
     if frontends.http is not None:
         frontends.http.app.include_router(admin_router(inbox.put, config.server.admin_key,
@@ -306,6 +310,21 @@ def _drain(door: FrontDoor, keeper: ReplicaKeeper, registry: ReplicaRegistry | N
     if registry is not None:
         registry.stop()
     keeper.stop_all()
+
+
+def _change_adapter(urls: dict[int, str | None], router: Router, api_key: str | None, replica: int | None,
+                    name: str, path: str | None) -> None:
+    """Load (`path` set) or unload a LoRA adapter on `replica` (None: every replica up), through
+    the replicas' own API; AdapterError with the first refusal's reason."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    route, body = (("load_lora_adapter", {"lora_name": name, "lora_path": path}) if path is not None
+                   else ("unload_lora_adapter", {"lora_name": name}))
+    for r, url in sorted(urls.items()):
+        if url and (r == replica if replica is not None else router.up[r]):
+            reply = httpx.post(f"{url}/v1/{route}", headers=headers, json=body, timeout=RESET_TIMEOUT_S)
+            if reply.status_code == 400:
+                raise AdapterError(reply.json().get("error", {}).get("message", reply.text))
+            reply.raise_for_status()
 
 
 def _reset_prefix_caches(urls: dict[int, str | None], router: Router, api_key: str | None) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 from meshserve.comm.collectives import reduce_from_tp
 from meshserve.comm.groups import AxisGroup
 from meshserve.configs.memory import local_num_kv_heads
+from meshserve.layers.lora import LoraPart, LoraStack
 from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.layers.weights import CheckpointTensor
 
@@ -44,6 +45,12 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.packed = None
         """What multiplies the weight once prepared (meshserve.layers.matmul_plan), or None."""
+        self.lora: LoraStack | None = None
+        """Its LoRA adapters' slots (layers/lora.py), where the server serves adapters."""
+
+    def lora_parts(self) -> list[LoraPart]:
+        """The PEFT modules this layer computes, and this rank's share of each."""
+        raise NotImplementedError
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         raise NotImplementedError
@@ -98,7 +105,8 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (num_tokens, input_size) -> (num_tokens, local_output_size)
         y = self.matmul(x)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if self.lora is None else self.lora.apply(y, x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -123,10 +131,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 return
         super().pack_weight(plan)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def shard(self, shard_id: int) -> tuple[int, int, int]:
+        """(offset in this rank's output, size, start in the checkpoint's) of output `shard_id`."""
         size = _divide(self.output_sizes[shard_id], self.tp.size, f"output_sizes[{shard_id}]")
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        _copy_into(param.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size).load())
+        return sum(self.output_sizes[:shard_id]) // self.tp.size, size, self.tp.rank * size
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        offset, size, start = self.shard(shard_id)
+        _copy_into(param.narrow(0, offset, size), loaded.narrow(0, start, size).load())
+
+    def lora_parts(self) -> list[LoraPart]:
+        return [LoraPart(m, *self.shard(i)) for i, m in enumerate(("gate_proj", "up_proj"))]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -153,16 +168,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = self.local_num_kv_heads * self.head_dim
         return q, kv, kv
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def shard(self, shard_id: str) -> tuple[int, int, int]:
+        """(offset in this rank's output, size, start in the checkpoint's) of "q", "k" or "v"."""
         q, kv, _ = self.local_sizes
         if shard_id == "q":
-            offset, size, start = 0, q, self.tp.rank * q
-        else:
-            kv_head = self.tp.rank * self.local_num_kv_heads if self.tp.size <= self.num_kv_heads \
-                else self.tp.rank // (self.tp.size // self.num_kv_heads)
-            offset = q if shard_id == "k" else q + kv
-            size, start = kv, kv_head * self.head_dim
+            return 0, q, self.tp.rank * q
+        kv_head = self.tp.rank * self.local_num_kv_heads if self.tp.size <= self.num_kv_heads \
+            else self.tp.rank // (self.tp.size // self.num_kv_heads)
+        return q if shard_id == "k" else q + kv, kv, kv_head * self.head_dim
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        offset, size, start = self.shard(shard_id)
         _copy_into(param.narrow(0, offset, size), loaded.narrow(0, start, size).load())
+
+    def lora_parts(self) -> list[LoraPart]:
+        return [LoraPart(f"{s}_proj", *self.shard(s)) for s in "qkv"]
 
 
 class RowParallelLinear(LinearBase):
@@ -173,8 +193,10 @@ class RowParallelLinear(LinearBase):
     All-reduces the output over `tp`."""
 
     def __init__(self, input_size: int, output_size: int, tp: AxisGroup, bias: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, lora_module: str = ""):
+        """`lora_module`: the PEFT target this layer is (o_proj, down_proj)."""
         self.tp = tp
+        self.lora_module = lora_module
         self.input_size, self.output_size = input_size, output_size
         self.local_input_size = _divide(input_size, tp.size, "input_size")
         super().__init__(self.local_input_size, output_size, bias, dtype)
@@ -186,7 +208,16 @@ class RowParallelLinear(LinearBase):
         n = self.local_input_size
         _copy_into(param, loaded.narrow(1, self.tp.rank * n, n).load())
 
+    def lora_parts(self) -> list[LoraPart]:
+        n = self.local_input_size
+        return [LoraPart(self.lora_module, 0, n, self.tp.rank * n)]
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce (its LoRA deltas' share in it)."""
+        y = self.matmul(x)
+        return y if self.lora is None else self.lora.apply(y, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (num_tokens, local_input_size) -> (num_tokens, output_size)
-        y = reduce_from_tp(self.matmul(x), self.tp)
+        y = reduce_from_tp(self.partial(x), self.tp)
         return y if self.bias is None else y + self.bias

@@ -52,7 +52,8 @@ class LlamaAttention(nn.Module):
         self.backend = backend or TorchBackend()
         self.qkv_proj = QKVParallelLinear(info.hidden_size, info.head_dim, info.num_attention_heads,
                                           info.num_key_value_heads, tp, bias=info.attention_bias, dtype=dtype)
-        self.o_proj = RowParallelLinear(info.num_attention_heads * info.head_dim, info.hidden_size, tp, dtype=dtype)
+        self.o_proj = RowParallelLinear(info.num_attention_heads * info.head_dim, info.hidden_size, tp, dtype=dtype,
+                                        lora_module="o_proj")
         self.local_num_heads = self.qkv_proj.local_num_heads
         self.local_num_kv_heads = self.qkv_proj.local_num_kv_heads
         self.head_dim = info.head_dim
@@ -82,7 +83,8 @@ class LlamaMLP(nn.Module):
         intermediate_size = intermediate_size or info.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(info.hidden_size, [intermediate_size] * 2, tp, dtype=dtype,
                                                        may_fuse_silu_mul=True)
-        self.down_proj = RowParallelLinear(intermediate_size, info.hidden_size, tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, info.hidden_size, tp, dtype=dtype,
+                                           lora_module="down_proj")
         self.act = (backend or TorchBackend()).silu_and_mul
 
     def activated(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,7 @@ class LlamaMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This tp rank's partial sum of the output: `forward` without its all-reduce."""
-        return self.down_proj.matmul(self.activated(x))
+        return self.down_proj.partial(self.activated(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -55,7 +55,8 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
                 layer_range: tuple[int, int] | None = None, is_first_stage: bool = True, is_last_stage: bool = True,
                 max_position: int | None = None, show_progress: bool = False, cp=None,
                 backend=None, quantization: Quantization = Quantization.NONE, calibration: list[int] | None = None,
-                ep=None, expert_exchange: str = "all_to_all", library: CpuLibrary | None = None) -> LlamaForCausalLM:
+                ep=None, expert_exchange: str = "all_to_all", library: CpuLibrary | None = None,
+                before_pack=None) -> LlamaForCausalLM:
     """`backend`: the kernel backend (meshserve.layers.backend); default torch. `library`: the
     loaded C++ CPU kernels the products may run on (default: the backend's). With a
     context-parallel group `cp` of several ranks, the model's attention runs over it
@@ -87,6 +88,8 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
         ids = calibration[:max_position or info.max_position_embeddings]
         log.info("calibrating w8a8 (SmoothQuant) on a prefill of %d tokens", len(ids))
         smooth(model, ids, tp)
+    if before_pack is not None:
+        before_pack(model)
     if quantization.quantized:
         log.info("quantizing the linear layers (%s)", quantization)
     for module in model.modules():

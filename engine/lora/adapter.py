@@ -1,30 +1,18 @@
-"""LoRA adapters in PEFT's format, read and checked against the base model: a directory with
-adapter_config.json (r, lora_alpha, target_modules, use_rslora, ...) and
-adapter_model.safetensors (`...layers.<i>.<module>.lora_A.weight`, shape (r, in), and
-`lora_B.weight`, shape (out, r)). The delta a target module adds to its output is
-scaling * x A^T B^T, scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as
-PEFT computes it. Plain torch on the CPU: the ranks take their shards from here."""
+"""A LoRA adapter's weights, read once configs/adapters.py has checked it against the model.
+Plain torch on the CPU: the ranks take their shards from here."""
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from meshserve.configs.adapters import TARGETS, AdapterError, check_adapter, module_shape
 from meshserve.configs.model_info import ModelInfo
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The modules an adapter may target (the attention's and the MLP's projections)."""
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class AdapterError(ValueError):
-    """An adapter this model cannot serve; the message says why, with the numbers."""
+__all__ = ["TARGETS", "AdapterError", "LoraAdapter", "module_shape", "read_adapter"]
 
 
 @dataclass
@@ -42,63 +30,11 @@ class LoraAdapter:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
 
-def module_shape(info: ModelInfo, module: str) -> tuple[int, int]:
-    """(out, in) of a target module of `info`'s model, unsharded."""
-    h, q, kv = info.hidden_size, info.num_attention_heads * info.head_dim, info.num_key_value_heads * info.head_dim
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (info.intermediate_size, h), "up_proj": (info.intermediate_size, h),
-            "down_proj": (h, info.intermediate_size)}[module]
-
-
 def read_adapter(name: str, path: str | Path, info: ModelInfo, max_rank: int) -> LoraAdapter:
-    """The adapter at `path`, checked against `info`'s model: its rank at most `max_rank`,
-    every target one of TARGETS that the model has, every A and B of the model's shape."""
-    p = Path(path)
-    config_file, weights_file = p / "adapter_config.json", p / "adapter_model.safetensors"
-    for f in (config_file, weights_file):
-        if not f.is_file():
-            raise AdapterError(f"LoRA adapter {name!r}: {f} is missing (a PEFT adapter directory has "
-                               f"adapter_config.json and adapter_model.safetensors)")
-    config = json.loads(config_file.read_text())
-    rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
-    if not 0 < rank <= max_rank:
-        raise AdapterError(f"LoRA adapter {name!r} has rank {rank}; this server takes ranks 1..{max_rank} "
-                           f"(lora.max_rank)")
-    if info.moe is not None:
-        raise AdapterError(f"LoRA adapter {name!r}: adapters on mixture-of-experts models are not served")
-    for key in ("fan_in_fan_out", "use_dora"):
-        if config.get(key):
-            raise AdapterError(f"LoRA adapter {name!r}: {key}=true is not served (plain LoRA only)")
-    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
-        raise AdapterError(f"LoRA adapter {name!r} trains biases or whole modules (bias={config.get('bias')!r}, "
-                           f"modules_to_save={config.get('modules_to_save')!r}); only LoRA pairs are served")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(weights_file, "pt", device="cpu") as f:
-        for key in f.keys():
-            m = _KEY.search(key)
-            if m is None:
-                raise AdapterError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA pair of a layer's "
-                                   f"{', '.join(TARGETS)}")
-            layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-            if module not in TARGETS:
-                raise AdapterError(f"LoRA adapter {name!r} targets {module!r}; the model's targets are "
-                                   f"{', '.join(TARGETS)}")
-            if layer >= info.num_hidden_layers:
-                raise AdapterError(f"LoRA adapter {name!r} has layer {layer}; the model has "
-                                   f"{info.num_hidden_layers}")
-            pairs.setdefault((layer, module), {})[which] = f.get_tensor(key).to(torch.float32)
+    """The adapter at `path` (configs.adapters.check_adapter's checks), its weights in float32."""
+    spec = check_adapter(name, path, info, max_rank)
     weights = {}
-    for (layer, module), pair in sorted(pairs.items()):
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{'A' if 'A' in pair else 'B'} "
-                               f"without its other half")
-        out, inp = module_shape(info, module)
-        a, b = pair["A"], pair["B"]
-        if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
-            raise AdapterError(f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
-                               f"{tuple(b.shape)}; this model needs A ({rank}, {inp}) and B ({out}, {rank})")
-        weights[layer, module] = (a, b)
-    if not weights:
-        raise AdapterError(f"LoRA adapter {name!r} has no LoRA weights")
-    return LoraAdapter(name, str(p), rank, scaling, tuple(sorted({m for _, m in weights})), weights)
+    with safe_open(spec.weights_file, "pt", device="cpu") as f:
+        for target, (a_key, b_key) in spec.tensors.items():
+            weights[target] = (f.get_tensor(a_key).to(torch.float32), f.get_tensor(b_key).to(torch.float32))
+    return LoraAdapter(name, spec.path, spec.rank, spec.scaling, spec.targets, weights)

@@ -41,6 +41,8 @@ class AddCommand:
     """Disaggregated prefill/decode: this replica's part of the request (engine/handoff.py)."""
     resume: Resume | None = None
     """Migration: the output so far of a stream another replica started."""
+    lora: str | None = None
+    """The LoRA adapter it runs with (its name); None: the base model."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,17 @@ class ResetPrefixCacheCommand:
     done: concurrent.futures.Future
 
 
-Command = AddCommand | AbortCommand | KvReadyCommand | ResetPrefixCacheCommand
+@dataclass(frozen=True)
+class LoraCommand:
+    """Serve the adapter at `path` as `name`, or with `path` None stop serving it; `done`
+    gets None, or the AdapterError that says why not."""
+
+    name: str
+    path: str | None
+    done: concurrent.futures.Future
+
+
+Command = AddCommand | AbortCommand | KvReadyCommand | ResetPrefixCacheCommand | LoraCommand
 
 
 class Inbox(queue.Queue):

@@ -61,7 +61,8 @@ def build_frontends(config: Config, info: ModelInfo, memory: MemoryPlan, tokeniz
         http = HttpFrontend(server.http, inbox, tokenizer, info.vocab_size, memory.max_model_len,
                             server.model_name or served_name(config.model.path), registry, api_key=server.api_key,
                             limits=server.http_limits, metrics_public=server.metrics.public,
-                            cors_allowed_origins=server.cors_allowed_origins, grammars=grammars)
+                            cors_allowed_origins=server.cors_allowed_origins, grammars=grammars,
+                            adapters=dict(config.lora.adapters) if config.lora.active else None)
     except OSError:
         zmq.close()
         raise

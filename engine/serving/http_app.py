@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -26,7 +26,8 @@ from meshserve.engine.serving.tokenize_api import meshserve_version
 log = logging.getLogger("meshserve.engine.serving.http_frontend")
 
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
-                 "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version")
+                 "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 ADMIN_PREFIX = "/admin/"
@@ -145,6 +146,20 @@ def build_app(serving: OpenAIServing, health: Callable[[], tuple[int, dict]], mo
     @app.post("/reset_prefix_cache")
     async def post_reset_prefix_cache():
         return await reset_prefix_cache()
+
+    def adapters():
+        if serving.adapters is None:
+            raise OpenAIError(400, "this server serves no LoRA adapters (start it with lora.enabled=true or "
+                                   "--enable-lora)", code="invalid_value")
+        return serving.adapters
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return PlainTextResponse(await adapters().load(await request.body()))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return PlainTextResponse(await adapters().unload(await request.body()))
 
     @app.get("/metrics")
     async def metrics():

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter
 from meshserve.comm.messages import ErrorReply
 from meshserve.configs.schema import HttpLimits
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey, ResetPrefixCacheCommand
+from meshserve.engine.serving.lora_api import ServedAdapters
 from meshserve.engine.serving.http_app import CountingApp, build_app, with_cors
 from meshserve.engine.serving.http_protocol import limited_protocol
 from meshserve.engine.serving.openai_protocol import engine_error
@@ -80,11 +81,13 @@ class HttpFrontend:
     def __init__(self, address: str, inbox: Inbox, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  model_name: str, registry: CollectorRegistry | None = None, api_key: str | None = None,
                  limits: HttpLimits | None = None, metrics_public: bool = False,
-                 cors_allowed_origins: tuple[str, ...] | list[str] = ("*",), grammars: GrammarCompiler | None = None):
+                 cors_allowed_origins: tuple[str, ...] | list[str] = ("*",), grammars: GrammarCompiler | None = None,
+                 adapters: dict[str, str] | None = None):
         """`api_key`: every path but /health (and /metrics if `metrics_public`) needs
         `Authorization: Bearer <api_key>`. `cors_allowed_origins`: the web origins that may
         call the API from a browser ("*": any). `grammars`: compiles structured-output
-        constraints (one is made if not given)."""
+        constraints (one is made if not given). `adapters`: the LoRA adapters served at start
+        (name -> directory), where the server serves adapters (None: it serves none)."""
         limits = limits or HttpLimits()
         self.inbox = inbox
         self.model_name, self.max_model_len = model_name, max_model_len
@@ -104,7 +107,8 @@ class HttpFrontend:
         self._routes: dict[RequestKey, tuple[asyncio.Queue, int]] = {}
         self._responses = Counter("meshserve_http_responses", "HTTP responses by path and status", ["path", "status"],
                                   registry=self.registry)
-        self.serving = OpenAIServing(self, tokenizer, vocab_size, max_model_len, model_name, grammars)
+        self.adapters = ServedAdapters(model_name, max_model_len, adapters, inbox) if adapters is not None else None
+        self.serving = OpenAIServing(self, tokenizer, vocab_size, max_model_len, model_name, grammars, self.adapters)
         self.app = build_app(self.serving, self.health, self.models, self.reset_prefix_cache, self.registry)
         open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
         app = with_cors(CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout),
@@ -194,8 +198,9 @@ class HttpFrontend:
     # ------------------------------------------------------------------ the server's own routes
 
     def models(self) -> dict[str, Any]:
+        cards = self.adapters.model_cards() if self.adapters is not None else []
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "meshserve", "max_model_len": self.max_model_len}]}
+                                            "owned_by": "meshserve", "max_model_len": self.max_model_len}, *cards]}
 
     async def reset_prefix_cache(self) -> dict[str, Any]:
         """vLLM's POST /reset_prefix_cache. Safe while requests run: the step loop forgets the

@@ -154,6 +154,19 @@ class EngineMetrics:
                                      "spec_decode_num_draft_tokens since the start (0-1)", registry=r)
         self.spec_mean_length = Gauge(PREFIX + "spec_decode_mean_accepted_length", "Tokens per verified draft since "
                                       "the start: its accepted tokens plus the one sampled after them", registry=r)
+        self.lora_requests = Counter(PREFIX + "lora_requests", "Requests finished, by LoRA adapter", ["adapter"],
+                                     registry=r)
+        self.lora_prompt_tokens = Counter(PREFIX + "lora_prompt_tokens", "Prompt tokens of admitted requests, by LoRA "
+                                          "adapter", ["adapter"], registry=r)
+        self.lora_generation_tokens = Counter(PREFIX + "lora_generation_tokens", "Tokens generated, by LoRA adapter",
+                                              ["adapter"], registry=r)
+        self.lora_served = Gauge(PREFIX + "lora_adapters_served", "LoRA adapters requests may name", registry=r)
+        self.lora_resident = Gauge(PREFIX + "lora_adapters_loaded", "LoRA adapters whose weights sit in the ranks' "
+                                   "slots (lora.max_loras)", registry=r)
+        self.lora_loads = Gauge(PREFIX + "lora_adapter_loads", "LoRA adapters loaded into a slot since the start",
+                                registry=r)
+        self.lora_evictions = Gauge(PREFIX + "lora_adapter_evictions", "LoRA adapters evicted from their slot (least "
+                                    "recently used, unused) since the start", registry=r)
         self._cost: ModelCost | None = None
         self._roofline: Roofline | None = None
         self._times: dict[int, _Times] = {}
@@ -175,6 +188,12 @@ class EngineMetrics:
         if roofline is not None:
             self.peak_flops.set(roofline.peak_flops)
             self.peak_bandwidth.set(roofline.memory_bandwidth)
+        if engine.loras is not None:
+            loras = engine.loras
+            self.lora_served.set_function(lambda: len(loras.adapters))
+            self.lora_resident.set_function(lambda: len(loras.slots.resident))
+            self.lora_loads.set_function(lambda: loras.slots.loads)
+            self.lora_evictions.set_function(lambda: loras.slots.evictions)
         if engine.speculator is not None:
             stats = engine.speculator.stats
             self.spec_acceptance.set_function(lambda: stats.acceptance_rate)
@@ -191,6 +210,8 @@ class EngineMetrics:
                 self._times[seq.seq_id] = _Times(seq.arrival_time)
                 self.queue.observe(now - seq.arrival_time)
                 self.prompt_tokens.inc(seq.prompt_len)
+                if seq.lora is not None:
+                    self.lora_prompt_tokens.labels(seq.lora.name).inc(seq.prompt_len)
         if batch.preempted:
             self.preemptions.inc(len(batch.preempted))
         if self._engine is not None:
@@ -212,6 +233,8 @@ class EngineMetrics:
             self.itl.observe(now - t.last_token)
         t.last_token = now
         self.generation_tokens.inc()
+        if seq.lora is not None:
+            self.lora_generation_tokens.labels(seq.lora.name).inc()
 
     def on_verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self.spec_drafts.inc()
@@ -224,6 +247,8 @@ class EngineMetrics:
         t = self._times.pop(state.seq.seq_id, None)
         reason = state.finish_reason or "abort"
         self.finished.labels(reason).inc()
+        if state.seq.lora is not None:
+            self.lora_requests.labels(state.seq.lora.name).inc()
         if t is None or reason == "abort":
             return
         self.e2e.observe(time.monotonic() - t.arrival)

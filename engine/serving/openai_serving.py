@@ -28,6 +28,7 @@ from meshserve.engine.admission import RequestError, admit_prompt, check_chars, 
 from meshserve.engine.serving.engine_link import EngineLink
 from meshserve.engine.serving.openai_generation import (EventStream, Generation, Samples, chunks, collect,
                                                         first_replies, sse, watch_disconnect, whole)
+from meshserve.engine.serving.lora_api import ServedAdapters
 from meshserve.engine.serving.openai_protocol import (IGNORED_HEADER, MAX_N, ChatCompletionRequest, CompletionRequest,
                                                       OpenAIError, StreamOptions, check_model, engine_error,
                                                       from_request_error, ignored_fields, sample_params)
@@ -50,9 +51,11 @@ class OpenAIServing:
     tokenizer APIs beside them."""
 
     def __init__(self, link: EngineLink, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 model_name: str, grammars: GrammarCompiler | None = None):
-        """`grammars`: compiles structured-output constraints (one is made if not given)."""
+                 model_name: str, grammars: GrammarCompiler | None = None, adapters: ServedAdapters | None = None):
+        """`grammars`: compiles structured-output constraints (one is made if not given).
+        `adapters`: the LoRA adapters a request's `model` may name, where the server serves them."""
         self.link, self.tokenizer = link, tokenizer
+        self.adapters = adapters
         self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name
         self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
         self._pool = TokenizePool(name="meshserve-http-tokenize")
@@ -75,8 +78,16 @@ class OpenAIServing:
     def _check_common(self, req) -> None:
         if not self.link.accepting:
             raise engine_error("unavailable", "the server is shutting down and accepts no new requests")
-        check_model(req.model, self.model_name)
+        self._adapter(req)
         req.check_supported()
+
+    def _adapter(self, req) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base model); 404 if it names
+        neither."""
+        if self.adapters is None:
+            check_model(req.model, self.model_name)
+            return None
+        return self.adapters.resolve(req.model)
 
     # ------------------------------------------------------------------ completions
 
@@ -202,12 +213,13 @@ class OpenAIServing:
         so an error still gets its status code)."""
         per_sample = sample_params(params, req.num_samples)
         run = Samples(self.link, f"{shapes.id_prefix}{uuid.uuid4().hex}")
-        gen = Generation(run, shapes, self.model_name, prompt_ids, req.num_samples, req.n)
+        lora = self._adapter(req)
+        gen = Generation(run, shapes, lora or self.model_name, prompt_ids, req.num_samples, req.n)
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(raw, run.queue))
         try:
             for ids in prompt_ids:  # sample index = prompt index * num_samples + j
                 for sample in per_sample:
-                    run.submit(ids, sample, req.stream, req.cache_salt, grammar)
+                    run.submit(ids, sample, req.stream, req.cache_salt, grammar, lora)
             if req.stream:
                 gen.first = await first_replies(run)
             else:

@@ -10,9 +10,10 @@ import time
 from typing import NoReturn
 
 from meshserve.comm.messages import ErrorReply
+from meshserve.configs.adapters import AdapterError
 from meshserve.engine.engine import Engine
 from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Command, Frontend, Inbox, KvReadyCommand,
-                                               ResetPrefixCacheCommand)
+                                               LoraCommand, ResetPrefixCacheCommand)
 from meshserve.engine.admission import RequestError
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,16 @@ class Server:
                 self.send(cmd.key, error)
         elif isinstance(cmd, ResetPrefixCacheCommand):
             cmd.done.set_result(self.engine.reset_prefix_cache())
+        elif isinstance(cmd, LoraCommand):
+            try:
+                if cmd.path is None:
+                    self.engine.unload_lora(cmd.name)
+                else:
+                    self.engine.load_lora(cmd.name, cmd.path)
+            except AdapterError as e:
+                cmd.done.set_exception(e)
+            else:
+                cmd.done.set_result(None)
         else:
             self._add(cmd)
 
@@ -169,7 +180,7 @@ class Server:
                                                  f"{adds} (scheduler.max_waiting_tokens="
                                                  f"{self.max_waiting_tokens}); retry later")
             self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt,
-                                    cmd.grammar, cmd.handoff, cmd.resume)
+                                    cmd.grammar, cmd.handoff, cmd.resume, cmd.lora)
         except RequestError as e:
             self.engine.handoffs.refused(cmd.handoff, len(cmd.prompt_ids))
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))

@@ -7,7 +7,8 @@ pass each (cpu_norm_act.cpp), and random sampling with temperature, top-k and to
 (cpu_sample.cpp, with the grammar masks of structured outputs), and the products of float32
 and bfloat16 weights in panels on AVX2 CPUs (cpu_dense_linear.cpp, used by
 meshserve.layers.matmul), and a run of Llama decoder layers over a decode step in one call
-of those kernels (cpu_decode_layers.cpp, used by meshserve.layers.fused_decode).
+of those kernels (cpu_decode_layers.cpp, used by meshserve.layers.fused_decode), and the
+LoRA products of a batch whose rows use different adapters (cpu_lora.cpp, Punica's BGMV).
 
 **One build per instruction set** (meshserve.configs.cpu_features.ISAS): `avx512`, `avx2`,
 `scalar`. Each registers its ops under its own namespace (`torch.ops.meshserve_cpu_avx2`,
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE_NAMES = ("cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_quantize_rows.cpp", "cpu_norm_act.cpp",
                 "cpu_sample.cpp", "cpu_dense_linear.cpp", "cpu_decode_layers.cpp", "cpu_amx_linear.cpp",
-                "cpu_amx_attention.cpp")
+                "cpu_amx_attention.cpp", "cpu_lora.cpp")
 HEADER_NAMES = ("cpu_vec.h", "cpu_amx.h", "cpu_prefill_chunks.h")
 SOURCES = [KERNEL_DIR / name for name in SOURCE_NAMES]
 
@@ -270,6 +271,10 @@ def _amx_pack_s8_shape(codes):
     return codes.new_empty((-(-codes.shape[0] // 32), codes.shape[1] * 32))
 
 
+def _lora_add_shape(y, x, slots, a, b):
+    return None
+
+
 SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
           "amx_prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
@@ -279,5 +284,6 @@ SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_atte
           "pack_panels": _pack_panels_shape, "panel_rows": _panel_rows_shape,
           "rotary": _rotary_shape, "amx_linear": _amx_linear_shape,
           "amx_linear_f32": _amx_linear_f32_shape, "amx_linear_silu": _amx_linear_shape, "amx_pack": _amx_pack_shape,
-          "amx_w8a8_linear": _amx_w8a8_linear_shape, "amx_pack_s8": _amx_pack_s8_shape}
+          "amx_w8a8_linear": _amx_w8a8_linear_shape, "amx_pack_s8": _amx_pack_s8_shape,
+          "lora_add": _lora_add_shape}
 """Each op's shape function, for torch.compile."""

@@ -36,3 +36,44 @@ def merged_model(base: Path, adapter: Path):
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+
+
+# (name, rank, alpha, seed, targets, extra PEFT options): the tests' adapters of one base
+ADAPTERS = [
+    ("a0", 8, 16.0, 1, None, {}),
+    ("a1", 4, 8.0, 2, ["q_proj", "v_proj"], {}),
+    ("a2", 8, 4.0, 3, ["o_proj", "down_proj", "gate_proj"], {"use_rslora": True}),
+    ("a3", 2, 4.0, 4, ["k_proj", "up_proj"], {}),
+]
+PROMPTS = [[5, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125, 137, 149, 161, 173, 185, 197, 9, 21],
+           [7, 3, 90, 11, 250, 33, 18]]
+
+
+def make_adapters(base: Path, root: Path) -> dict[str, Path]:
+    """ADAPTERS made on `base`, name -> directory under `root`."""
+    return {name: make_adapter(base, root / name, rank=r, alpha=alpha, seed=seed, targets=targets, **extra)
+            for name, r, alpha, seed, targets, extra in ADAPTERS}
+
+
+def greedy_oracle(base: Path, adapters: dict[str, Path], max_new_tokens: int):
+    """(adapter name or None, prompt ids) -> transformers' greedy tokens with that adapter merged."""
+    from support.reference import hf_greedy, hf_model
+
+    models = {None: hf_model(base), **{n: merged_model(base, p) for n, p in adapters.items()}}
+    cache = {}
+
+    def expected(name, prompt):
+        key = (name, tuple(prompt))
+        if key not in cache:
+            cache[key] = hf_greedy(models[name], list(prompt), max_new_tokens)
+        return cache[key]
+
+    return expected
+
+
+def adapter_settings(adapters: dict[str, Path], names=None, max_loras: int = 4, max_rank: int = 8) -> list[str]:
+    """The config settings (KEY=VALUE) that serve `names` of `adapters` (default: all)."""
+    names = list(adapters) if names is None else names
+    table = ", ".join(f"{n}: {adapters[n]}" for n in names)
+    return [f"lora.adapters={{{table}}}", f"lora.max_loras={max_loras}", f"lora.max_rank={max_rank}",
+            "lora.enabled=true"]

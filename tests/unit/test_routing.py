@@ -85,3 +85,30 @@ def test_salted_prompts_share_no_prefix_and_the_index_forgets_least_recently_use
     assert index.match(a) == 3
     index.add(b)  # 6 blocks into 4: a's first two go
     assert len(index) == 4 and index.match(a) == 0 and index.match(b) == 3
+
+
+def test_an_adapters_requests_go_where_it_was_served_and_its_prefixes_are_its_own():
+    router = Router(2, "cache_aware", BS, capacity_blocks=100, balance_abs_tokens=40, balance_rel=2.0, max_loras=2)
+    system = list(range(100, 132))
+    first = router.route(system + [1], adapter="a")
+    router.started("a1", first, system + [1], adapter="a")
+    assert first.replica == 0
+    # another adapter's request with the same prompt shares none of its blocks
+    other = router.route(system + [2], adapter="b")
+    assert (other.replica, other.reason, other.cached_blocks) == (1, "least_loaded", 0)
+    router.started("b1", other, system + [2], adapter="b")
+    # a new prompt of adapter "a" goes to the replica that served "a" (no prefix of it anywhere)
+    route = router.route(list(range(500, 520)), adapter="a")
+    assert (route.replica, route.reason) == (0, "adapter")
+    # the same prompt of "a" finds its cached prefix on replica 0
+    route = router.route(system + [3], adapter="a")
+    assert (route.replica, route.reason, route.cached_blocks) == (0, "cache", 8)
+    # within the overload bound only: replica 0 far above replica 1 sends "a" to the least loaded
+    router.produced("a1", [1] * 200)
+    assert router.route(list(range(600, 620)), adapter="a").reason == "least_loaded"
+    # a replica remembers its last max_loras adapters; a failed one forgets them
+    for name in ("c", "d"):
+        router.started(name, router.route([7], exclude={1}, adapter=name), [7], adapter=name)
+    assert list(router.adapters[0]) == ["c", "d"]
+    router.set_up(0, False)
+    assert not router.adapters[0]

@@ -31,7 +31,8 @@ import zmq
 from meshserve.comm.messages import (Constraint, ErrorReply, GenerateRequest, KvHandoff, KvReady, KvReserved,
                                      PrefillDone)
 from meshserve.configs.roles import ReplicaRole, role_of
-from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Frontend, Inbox, RequestKey,
+from meshserve.configs.adapters import AdapterError
+from meshserve.engine.serving.commands import (AbortCommand, AddCommand, Frontend, Inbox, LoraCommand, RequestKey,
                                                ResetPrefixCacheCommand)
 from meshserve.engine.serving.replicas.admin import AdminCommand, AdminError
 from meshserve.engine.serving.replicas.link import ReplicaLink
@@ -111,7 +112,7 @@ class FrontDoor:
                  retry: bool = True, observer=None, reset_prefix_caches=None, prefill_replicas: int = 0,
                  migration_limit: int = 3, connect: Callable[[int, str], ReplicaLink] | None = None,
                  control: ReplicaControl | None = None, states: ReplicaStates | None = None,
-                 open_ended: bool = False):
+                 open_ended: bool = False, change_adapter: Callable[[int | None, str, str | None], None] | None = None):
         """`observer`: told of routes, retries, moves and replica failures (RouterMetrics).
         `reset_prefix_caches()`: forgets every replica's prefix cache, returns the blocks
         forgotten (run on a thread of its own). `prefill_replicas`: disaggregated
@@ -121,7 +122,13 @@ class FrontDoor:
         `control`: starts and stops the replicas (the admin API's drain, restart, add and
         remove; None: it is off). `states`: where each replica's state is kept (shared with
         /metrics). `open_ended`: replicas join at any time (`meshserve router`): serve until
-        stopped, whatever the replicas do."""
+        stopped, whatever the replicas do. `change_adapter(replica, name, path)`: loads (path
+        set) or unloads a LoRA adapter on a replica (None: every replica up), raising
+        AdapterError with a replica's reason (run on a thread of its own)."""
+        self.change_adapter = change_adapter
+        self._adapter_changes: list[tuple[str, str | None]] = []
+        """The adapters loaded and unloaded at run time, in order: a restarted replica, which
+        starts with lora.adapters, gets them again."""
         self.open_ended = open_ended
         self.roles = [role_of(r, prefill_replicas) for r in range(len(links))] if prefill_replicas else None
         """Each replica's role in disaggregated prefill/decode; None without it."""
@@ -230,6 +237,30 @@ class FrontDoor:
                 cmd.done.set_result(0)
             else:
                 threading.Thread(target=lambda: _settle(cmd.done, self.reset_prefix_caches), daemon=True).start()
+        elif isinstance(cmd, LoraCommand):
+            threading.Thread(target=self._change_adapter, args=(cmd,), daemon=True).start()
+
+    def _change_adapter(self, cmd: LoraCommand) -> None:
+        """On its thread: the change on every replica up, kept for the ones that restart."""
+        if self.change_adapter is None:
+            cmd.done.set_exception(AdapterError("this front door cannot change its replicas' adapters"))
+            return
+        try:
+            self.change_adapter(None, cmd.name, cmd.path)
+        except Exception as e:  # reported to the HTTP caller
+            cmd.done.set_exception(e)
+            return
+        self._adapter_changes.append((cmd.name, cmd.path))
+        cmd.done.set_result(None)
+
+    def _replay_adapters(self, replica: int) -> None:
+        """On its thread: a restarted replica gets the adapters loaded and unloaded since the start."""
+        for name, path in list(self._adapter_changes):
+            try:
+                self.change_adapter(replica, name, path)
+            except Exception as e:  # noqa: BLE001 - the replica serves on; its requests of that adapter fail
+                log.warning("replica %d: could not %s LoRA adapter %r again: %s", replica,
+                            "load" if path else "unload", name, e)
 
     def _send(self, p: Pending) -> None:
         """Route `p` to a replica it has not tried, or answer it with an error. A request
@@ -245,7 +276,8 @@ class FrontDoor:
         if prefill is not None:
             p.prefill, p.transfer, p.phase = prefill, next(self._transfers) % (1 << 31), Phase.RESERVING
             handoff = KvHandoff(p.transfer, prefill, ReplicaRole.DECODE)
-        route: Route | None = self.router.route(cmd.prompt_ids, cmd.cache_salt, exclude=p.tried | self.prefill_replicas)
+        route: Route | None = self.router.route(cmd.prompt_ids, cmd.cache_salt, exclude=p.tried | self.prefill_replicas,
+                                                adapter=cmd.lora)
         if route is None:
             why = "; ".join(f"replica {r}: {reason}" for r, reason in sorted(self.down.items())) or "none up"
             self._reply(p, ErrorReply(cmd.request_id, "unavailable",
@@ -257,7 +289,7 @@ class FrontDoor:
         p.tried.add(route.replica)
         self._pending[link_id] = p
         self._link_ids[cmd.key] = link_id
-        self.router.started(cmd.key, route, cmd.prompt_ids, cmd.cache_salt)
+        self.router.started(cmd.key, route, cmd.prompt_ids, cmd.cache_salt, cmd.lora)
         self.router.produced(cmd.key, p.output)
         if self.observer is not None:
             self.observer.routed_to(route)
@@ -267,7 +299,7 @@ class FrontDoor:
             params = msgspec.structs.replace(params, prompt_logprobs=None)
         self.links[route.replica].send(GenerateRequest(link_id, prompt_token_ids=cmd.prompt_ids, params=params,
                                                        stream=True, cache_salt=cmd.cache_salt, constraint=grammar,
-                                                       handoff=handoff, resume=resume))
+                                                       handoff=handoff, resume=resume, lora=cmd.lora))
 
     # ------------------------------------------------------------------ disaggregated prefill/decode
 
@@ -458,6 +490,8 @@ class FrontDoor:
         self.router.set_up(r, True)
         if self.observer is not None and not added:
             self.observer.replica_up(r)
+        if self._adapter_changes and self.change_adapter is not None:
+            threading.Thread(target=self._replay_adapters, args=(r,), daemon=True).start()
         log.warning("replica %d serves%s; %d of %d replicas serve", r,
                     "" if added else f" again (restart {self.states.restarts[r]})",
                     len(self._connected), self.states.health()[1]["replicas"]["total"])

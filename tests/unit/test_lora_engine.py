@@ -1,0 +1,107 @@
+"""LoRA adapters served by one engine (engine/lora, layers/lora.py): rows of several adapters
+and of none in one batch, each given the greedy tokens of transformers with its adapter
+merged (PEFT's merge_and_unload); the prefix cache never shares blocks across adapters;
+lora.max_loras slots in rotation; adapters loaded and unloaded between requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshserve.comm.messages import SamplingParams
+from meshserve.configs.adapters import AdapterError
+from meshserve.engine.admission import RequestError
+from support.engines import make_engine
+from support.lora import PROMPTS, adapter_settings, greedy_oracle, make_adapters
+
+TOKENS = 8
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoints, tmp_path_factory):
+    """name -> adapter directory, on the 6-head tiny Llama (tp=3 divides it)."""
+    return make_adapters(tiny_checkpoints["llama-6h"], tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoints, adapters):
+    return greedy_oracle(tiny_checkpoints["llama-6h"], adapters, TOKENS)
+
+
+def adapter_overrides(adapters, names=None, max_loras=4, max_rank=8):
+    return adapter_settings(adapters, names, max_loras, max_rank)
+
+
+def run(engine, requests, cached=None):
+    """requests: [(adapter or None, prompt)] -> each one's output tokens, all in one batch.
+    `cached`: a list that gets each request's prompt tokens found in the prefix cache."""
+    out = {i: [] for i in range(len(requests))}
+    hits = {}
+    for i, (name, prompt) in enumerate(requests):
+        engine.add_request(i, str(i), prompt, GREEDY, lora=name)
+    while engine.has_work():
+        for key, delta in engine.step():
+            out[key].extend(delta.token_ids)
+            if delta.usage is not None:
+                hits[key] = delta.usage.cached_tokens
+    if cached is not None:
+        cached += [hits[i] for i in range(len(requests))]
+    return [out[i] for i in range(len(requests))]
+
+
+def test_four_adapters_and_the_base_in_one_batch_each_match_transformers_merged(tiny_checkpoints, adapters, expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters))
+    requests = [(name, prompt) for prompt in PROMPTS for name in [None, *adapters]]
+    first = run(engine, requests)
+    for (name, prompt), tokens in zip(requests, first):
+        assert tokens == expected(name, prompt), f"adapter {name}, prompt {prompt[:3]}..."
+    assert len({tuple(t) for t in first[:5]}) == 5, "the adapters should change the output"
+    # again: the first prompt's blocks are cached now, each under its own adapter
+    cached = []
+    assert run(engine, requests, cached) == first
+    assert all(n >= 16 for n in cached[:5]), cached
+
+
+def test_two_slots_serve_four_adapters_in_rotation(tiny_checkpoints, adapters, expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters, max_loras=2),
+                         "scheduler.max_num_seqs=3")
+    names = list(adapters)
+    requests = [(names[i % 4], PROMPTS[i % 2]) for i in range(10)] + [(None, PROMPTS[0])]
+    for (name, prompt), tokens in zip(requests, run(engine, requests)):
+        assert tokens == expected(name, prompt), f"adapter {name}"
+    slots = engine.loras.slots
+    assert slots.evictions >= 2 and len(slots.resident) == 2 and not slots.users
+    # the memory plan counted the slots the ranks hold
+    assert engine.memory.lora_bytes == engine.executor.runner.adapters.num_bytes > 0
+
+
+def test_adapters_load_and_unload_between_requests(tiny_checkpoints, adapters, expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters, names=["a0"], max_loras=2))
+    with pytest.raises(RequestError, match="no LoRA adapter named 'a1'"):
+        engine.add_request(0, "0", PROMPTS[0], GREEDY, lora="a1")
+    engine.load_lora("a1", str(adapters["a1"]))
+    assert run(engine, [("a1", PROMPTS[0]), ("a0", PROMPTS[1])]) == [expected("a1", PROMPTS[0]),
+                                                                   expected("a0", PROMPTS[1])]
+    # the name now stands for another adapter: neither its old weights nor its cached blocks serve it
+    engine.unload_lora("a1")
+    engine.load_lora("a1", str(adapters["a3"]))
+    assert run(engine, [("a1", PROMPTS[0])]) == [expected("a3", PROMPTS[0])]
+    with pytest.raises(AdapterError, match="already loaded"):
+        engine.load_lora("a0", str(adapters["a2"]))
+    with pytest.raises(AdapterError, match="no LoRA adapter named 'zz'"):
+        engine.unload_lora("zz")
+
+
+def test_an_adapter_unloaded_while_its_request_runs_finishes_it(tiny_checkpoints, adapters, expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters, names=["a0", "a2"]))
+    engine.add_request(0, "0", PROMPTS[0], GREEDY, lora="a2")
+    out = []
+    for _ in range(3):
+        out += [t for _, d in engine.step() for t in d.token_ids]
+    engine.unload_lora("a2")
+    with pytest.raises(RequestError, match="no LoRA adapter named 'a2'"):
+        engine.add_request(1, "1", PROMPTS[0], GREEDY, lora="a2")
+    while engine.has_work():
+        out += [t for _, d in engine.step() for t in d.token_ids]
+    assert out == expected("a2", PROMPTS[0])
+    assert not engine.loras.slots.resident, "the unloaded adapter's slot is free once its request ends"
