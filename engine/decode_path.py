@@ -24,17 +24,14 @@ log = logging.getLogger(__name__)
 
 class EagerForward:
     """The model's eager forward: the fused C++ layers (`fused`) on the steps they take, else
-    the Python layer loop (which alone calls `after_layer`, and alone adds LoRA deltas)."""
+    the Python layer loop (which alone calls `after_layer`)."""
 
     def __init__(self, model, fused: FusedDecodeLayers | None):
         self.model, self.fused = model, fused
 
-    def __call__(self, input_ids, positions, kv_caches, meta, hidden=None, residual=None, after_layer=None,
-                 loop: bool = False):
-        """`loop`: the Python layer loop whatever the step."""
+    def __call__(self, input_ids, positions, kv_caches, meta, hidden=None, residual=None, after_layer=None):
         fused = self.fused
-        layers = (fused if fused is not None and after_layer is None and not loop and fused.runs(kv_caches, meta)
-                  else None)
+        layers = fused if fused is not None and after_layer is None and fused.runs(kv_caches, meta) else None
         return self.model(input_ids, positions, kv_caches, meta, hidden, residual, after_layer, layers)
 
 
@@ -98,9 +95,10 @@ class DecodePath:
         """The step's (hidden, residual): from its graph (`graph_step`, the host lists
         DecodeGraphs.run takes; `meta` None then), compiled, or eager. `after_layer(i)`: the
         KV-transfer hook, called after each layer (the step then runs eagerly). `lora`: rows of
-        the step use LoRA adapters, which only the Python layer loop adds (layers/lora.py)."""
+        the step use LoRA adapters, which the eager steps add (layers/lora.py: the Python loop's
+        layers, or the fused C++ layers'), not the graphs or the compiled step."""
         if lora:
-            return self.eager(input_ids, positions, kv_caches, meta, hidden, after_layer=after_layer, loop=True)
+            return self.eager(input_ids, positions, kv_caches, meta, hidden, after_layer=after_layer)
         throttle = self.throttle
         if throttle is not None:
             throttle.note_step()

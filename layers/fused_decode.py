@@ -34,6 +34,11 @@ class FusedDecodeLayers:
         self.weights = [w for layer in layers for w in _layer_weights(layer)]
         self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
         self.op = library.ops.decode_layers
+        gate_up = layers[0].mlp.gate_up_proj
+        self.fused_silu = gate_up.applies_silu_mul
+        self.lora_batch = gate_up.lora.batch if gate_up.lora is not None else None
+        """The step's LoRA slots (layers/lora.py), where the layers have adapters' slots."""
+        self.lora = [t for layer in layers for m in _linears(layer) if m.lora is not None for t in (m.lora.a, m.lora.b)]
 
     def runs(self, kv_caches, meta) -> bool:
         """Whether this step can take the fused call: eager, decode-only, a cache in the
@@ -43,10 +48,17 @@ class FusedDecodeLayers:
 
     def __call__(self, rope, hidden, residual, kv_caches, meta):
         cos, sin = rope
+        slots = self.lora_batch.slots if self.lora_batch is not None else None
         return self.op(hidden.contiguous(), residual, self.weights, [k for k, _ in kv_caches],
                        [v for _, v in kv_caches], cos.contiguous(), sin.contiguous(), meta.slot_mapping,
                        meta.decode_block_tables, meta.decode_lens, self.eps, self.scale, self.num_heads,
-                       self.num_kv_heads, self.product)
+                       self.num_kv_heads, self.product, slots, self.lora if slots is not None else [],
+                       self.fused_silu)
+
+
+def _linears(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _layer_weights(layer) -> list[torch.Tensor]:
@@ -73,12 +85,15 @@ def _products(layer) -> set[str | None]:
         return {None}
     if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
         return {None}
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = _linears(layer)
     if any(m.bias is not None or m.tp.size != 1 for m in linears):
         return {None}
+    if len({m.lora is None for m in linears}) != 1:  # adapters on all four, or none
+        return {None}
     kinds = {_product_kind(m.packed) for m in linears}
-    # the AMX call takes gate/up with the activation fused (amx_linear_silu), the panels' without
-    if mlp.gate_up_proj.applies_silu_mul != (kinds == {"amx"}):
+    # the AMX call takes gate/up with the activation fused (amx_linear_silu) unless adapters
+    # add to gate and up before it; the panels' without
+    if mlp.gate_up_proj.applies_silu_mul != (kinds == {"amx"} and mlp.gate_up_proj.lora is None):
         return {None}
     return kinds
 

@@ -23,6 +23,12 @@
 //   float32 scale and int32 code sum).
 // The outputs of each product follow from the heads, the norm's width and the down weight's
 // inputs. `residual` none: the first layer's input is the embedding (the residual is the input).
+// `fused_silu` false: an "amx" gate/up is amx_linear's plain weight, its SiLU-and-mul after it.
+//
+// LoRA adapters (layers/lora.py): with `lora_slots` (each token's adapter slot, -1 for none),
+// `lora` holds per layer the QKV's, o's, gate/up's and down's stacked A and B (eight tensors),
+// and each product's output gets its rows' deltas from lora_add (cpu_lora.cpp) before what
+// follows it (rotary, the norm, the activation), as the Python loop adds them.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -95,7 +101,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::TensorList weights,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
-                   double scale, int64_t heads, int64_t kv_heads, c10::string_view product_name) {
+                   double scale, int64_t heads, int64_t kv_heads, c10::string_view product_name,
+                   const std::optional<at::Tensor>& lora_slots, at::TensorList lora, bool fused_silu) {
   static const auto dense = library_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("dense_linear");
   static const auto amx_linear = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear");
   static const auto amx_w8a8 =
@@ -126,6 +133,9 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
   static const auto amx_linear_silu =
       library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear_silu");
   static const auto quantize_kv = library_op<at::Tensor(const at::Tensor&)>("quantize_kv_int8");
+  static const auto lora_add =
+      library_op<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>("lora_add");
+  constexpr int64_t kLoraPerLayer = 8;  // A and B of QKV, o, gate/up, down
 
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * layers &&
@@ -139,9 +149,18 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "decode_layers: ", heads, " heads over ", kv_heads,
               " KV heads");
   const int64_t* slot = slots.data_ptr<int64_t>();
+  const bool adapters = lora_slots.has_value();
+  TORCH_CHECK(!adapters || static_cast<int64_t>(lora.size()) == kLoraPerLayer * layers,
+              "decode_layers: ", kLoraPerLayer, " LoRA tensors per layer, got ", lora.size(), " for ", layers, " layers");
+  // y + the LoRA deltas of x's rows, for the product whose A and B are `ab`
+  const auto with_lora = [&](at::Tensor y, const at::Tensor& x, const at::Tensor* ab) {
+    if (adapters) lora_add.call(y, x.contiguous(), *lora_slots, ab[0], ab[1]);
+    return y;
+  };
   at::Tensor x = hidden, res = residual.value_or(at::Tensor());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + per_layer * l;
+    const at::Tensor* ab = adapters ? lora.data() + kLoraPerLayer * l : nullptr;
     const at::Tensor *qkv_w = w + 1, *o_w = w + 1 + per_product, *gate_up_w = w + 2 + 2 * per_product,
                      *down_w = w + 2 + 3 * per_product;
     const at::Tensor& k_cache = k_caches[l];
@@ -166,7 +185,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
       res = x;
       x = std::get<0>(norm.call(x, w[0], eps, std::nullopt));
     }
-    const at::Tensor qkv = product(x, qkv_w, qkv_out);
+    const at::Tensor qkv = with_lora(product(x, qkv_w, qkv_out), x, ab);
     at::Tensor q = qkv.narrow(1, 0, heads * dim).view({tokens, heads, dim});
     at::Tensor k = qkv.narrow(1, heads * dim, kv_heads * dim).view({tokens, kv_heads, dim});
     const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({tokens, kv_heads, dim});
@@ -174,11 +193,15 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
     store_rows(int8 ? quantize_kv.call(k) : k, k_cache, slot);
     store_rows(int8 ? quantize_kv.call(v) : v, v_cache, slot);
     const at::Tensor attended = attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
-    const at::Tensor o = product(attended.view({tokens, heads * dim}), o_w, width);
+    const at::Tensor flat = attended.view({tokens, heads * dim});
+    const at::Tensor o = with_lora(product(flat, o_w, width), flat, ab + (adapters ? 2 : 0));
     std::tie(x, res) = norm.call(o, w[1 + 2 * per_product], eps, res);
-    x = kind == Product::kAmx ? amx_linear_silu.call(x, gate_up_w[0], intermediate)
-                              : silu_and_mul.call(product(x, gate_up_w, 2 * intermediate));
-    x = product(x, down_w, width);
+    if (kind == Product::kAmx && fused_silu) {
+      x = amx_linear_silu.call(x, gate_up_w[0], intermediate);
+    } else {
+      x = silu_and_mul.call(with_lora(product(x, gate_up_w, 2 * intermediate), x, ab + (adapters ? 4 : 0)));
+    }
+    x = with_lora(product(x, down_w, width), x, ab + (adapters ? 6 : 0));
   }
   return {x, res};
 }
@@ -188,7 +211,8 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, float eps, float scale, "
-        "int heads, int kv_heads, str product) -> (Tensor, Tensor)");
+        "int heads, int kv_heads, str product, Tensor? lora_slots, Tensor[] lora, bool fused_silu) "
+        "-> (Tensor, Tensor)");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 

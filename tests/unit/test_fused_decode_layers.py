@@ -156,3 +156,45 @@ def test_what_it_does_not_cover_keeps_the_loop(tiny_checkpoints):
     assert int4.executor.runner.decode.eager.fused is None
     scalar = make_engine(tiny_checkpoints["llama"], *AVX2, "device.cpu_isa=scalar")
     assert scalar.executor.runner.decode.eager.fused is None
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(tiny_checkpoints, tmp_path_factory):
+    from support.lora import make_adapters
+
+    return make_adapters(tiny_checkpoints["llama-6h"], tmp_path_factory.mktemp("fused-lora"))
+
+
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_rows_in_the_fused_layers_give_the_loop_s_tokens(tiny_checkpoints, lora_adapters, dtype, isa):
+    """Rows of four adapters and none in one decode step: the fused call adds each row's deltas
+    after the products as the Python loop does (on AMX, gate/up then leaves the activation to
+    silu_and_mul, the deltas added before it)."""
+    from support.lora import adapter_settings
+
+    engine = make_engine(tiny_checkpoints["llama-6h"], *AVX2, f"model.dtype={dtype}", f"device.cpu_isa={isa}",
+                         *adapter_settings(lora_adapters))
+    eager = engine.executor.runner.decode.eager
+    if dtype == "bfloat16" and cpu_features().bf16_compute and not cpu_features().amx_bf16:
+        assert eager.fused is None  # bf16 products are oneDNN's there
+        return
+    assert eager.fused is not None and len(eager.fused.lora) == 8 * len(engine.executor.runner.model.model.layers)
+    counting = eager.fused.op = Counting(eager.fused.op)
+    names = [None, *lora_adapters]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def tokens():
+        out = {i: [] for i in range(len(names) * 2)}
+        for i in out:
+            engine.add_request(i, str(i), PROMPTS[i % 2], params, lora=names[i % len(names)])
+        while engine.has_work():
+            for key, delta in engine.step():
+                out[key] += delta.token_ids
+        return list(out.values())
+
+    fused = tokens()
+    assert counting.calls >= 10
+    eager.fused = None
+    assert fused == tokens()
+    assert len({tuple(t) for t in fused[:len(names)]}) > 1
