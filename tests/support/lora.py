@@ -11,13 +11,26 @@ import torch
 TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base: Path, directory: Path, rank: int = 8, alpha: float = 16.0, seed: int = 0,
-                 targets: list[str] | None = None, std: float = 0.2, **config) -> Path:
-    """A PEFT adapter of `base` (a Hugging Face checkpoint directory) saved in `directory`."""
-    from peft import LoraConfig, get_peft_model
+def base_model(base: Path):
+    """transformers' model of `base` (a Hugging Face directory or a .gguf file), float32, its
+    weights ordinary tensors (PEFT merges into them in place)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    p = Path(base)
+    if p.is_file():
+        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()
+
+
+def make_adapter(base: Path, directory: Path, rank: int = 8, alpha: float = 16.0, seed: int = 0,
+                 targets: list[str] | None = None, std: float = 0.2, model=None, **config) -> Path:
+    """A PEFT adapter of `base` (a Hugging Face checkpoint directory or a .gguf file) saved in
+    `directory`. `model`: transformers' model of `base` already loaded (left as it was)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model = copy.deepcopy(model) if model is not None else base_model(base)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or TARGETS_ALL,
                                                   lora_dropout=0.0, **config))
     g = torch.Generator().manual_seed(seed)
@@ -29,12 +42,14 @@ def make_adapter(base: Path, directory: Path, rank: int = 8, alpha: float = 16.0
     return directory
 
 
-def merged_model(base: Path, adapter: Path):
-    """transformers' base model with the adapter merged into its weights, float32, eval."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+def merged_model(base: Path, adapter: Path, model=None):
+    """transformers' base model with the adapter merged into its weights, float32, eval.
+    `model`: transformers' model of `base` already loaded (left as it was)."""
+    import copy
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    from peft import PeftModel
+
+    model = copy.deepcopy(model) if model is not None else base_model(base)
     return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
 
 

@@ -105,3 +105,67 @@ def test_an_adapter_unloaded_while_its_request_runs_finishes_it(tiny_checkpoints
         out += [t for _, d in engine.step() for t in d.token_ids]
     assert out == expected("a2", PROMPTS[0])
     assert not engine.loras.slots.resident, "the unloaded adapter's slot is free once its request ends"
+
+
+@pytest.mark.slow
+def test_smollm2_with_two_adapters_and_the_base_in_one_batch_matches_transformers_merged(smollm2, tmp_path):
+    from support.checkpoints import smollm2_tokenizer
+    from support.lora import base_model, make_adapter, merged_model
+    from support.reference import hf_greedy
+
+    base = base_model(smollm2)
+    adapters = {"wide": make_adapter(smollm2, tmp_path / "wide", rank=8, alpha=16.0, seed=5, std=0.05, model=base),
+                "attn": make_adapter(smollm2, tmp_path / "attn", rank=4, alpha=4.0, seed=6, std=0.1, model=base,
+                                     targets=["q_proj", "k_proj", "v_proj", "o_proj"])}
+    tok = smollm2_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}], tokenize=False,
+                                   add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    want = {None: hf_greedy(base, prompt, TOKENS),
+            **{n: hf_greedy(merged_model(smollm2, p, model=base), prompt, TOKENS) for n, p in adapters.items()}}
+    assert len({tuple(t) for t in want.values()}) == 3, "each adapter should change SmolLM2's answer"
+    engine = make_engine(smollm2, *adapter_settings(adapters, max_loras=2))
+    requests = [(n, prompt) for n in [None, "wide", "attn"]]
+    assert run(engine, requests) == [want[n] for n, _ in requests]
+
+
+def test_adapters_with_speculative_decoding_and_a_constraint_match_the_merged_checkpoint(tiny_checkpoints, adapters,
+                                                                                          expected, tmp_path):
+    """n-gram drafts verified with each row's adapter, and a choice constraint on an adapter's
+    row: the tokens of meshserve serving the checkpoint with that adapter merged."""
+    from meshserve.comm.messages import StructuredOutputs
+    from meshserve.engine.structured import GrammarCompiler, spec_from_message
+    from support.checkpoints import save_tokenizer
+    from support.lora import merged_model
+
+    base = tiny_checkpoints["llama-6h"]
+    spec = ("speculative.method=ngram", "speculative.num_speculative_tokens=4", "speculative.adaptive=false",
+            "speculative.prompt_lookup_min=1")
+    engine = make_engine(base, *adapter_settings(adapters, ["a0", "a2"]), *spec)
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size)
+    choice = compiler.compile(spec_from_message(StructuredOutputs(choice=["red apple", "green pear", "blue sky"])))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # a prompt, the adapter's answer to it and the prompt again: the answer is likely again,
+    # and the n-gram proposer proposes it
+    again = {n: PROMPTS[1] + expected(n, PROMPTS[1]) + PROMPTS[1] for n in ("a0", "a2")}
+    requests = [("a0", again["a0"], None), ("a2", again["a2"], None), ("a2", PROMPTS[1], choice),
+                (None, again["a0"], None)]
+
+    def tokens(eng, reqs):
+        out = {i: [] for i in range(len(reqs))}
+        for i, (name, prompt, grammar) in enumerate(reqs):
+            eng.add_request(i, str(i), prompt, params, grammar=grammar, lora=name)
+        while eng.has_work():
+            for key, delta in eng.step():
+                out[key] += delta.token_ids
+        return [out[i] for i in range(len(reqs))]
+
+    got = tokens(engine, requests)
+    assert engine.speculator.stats.num_draft_tokens > 0  # rows of drafts verified with their adapter
+    for name in ("a0", "a2"):
+        merged = tmp_path / name
+        merged_model(base, adapters[name]).save_pretrained(str(merged))
+        save_tokenizer(merged)
+        oracle = make_engine(merged, *spec)
+        mine = [(None, p, compiler.compile(choice.spec) if g else None) for n, p, g in requests if n == name]
+        assert [t for (n, _, _), t in zip(requests, got) if n == name] == tokens(oracle, mine), name
