@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import math
+import random
 import sys
 import time
 from datetime import datetime
@@ -62,9 +63,12 @@ class Target:
 
     def __init__(self, url: str, model: str, chat: bool, args: argparse.Namespace):
         self.url, self.model, self.chat, self.args = url, model, chat, args
+        self.adapters = getattr(args, "lora_modules", None) or []
+        self._pick = random.Random(getattr(args, "seed", 0))
 
     def body(self, p: BenchPrompt, stream: bool = True, max_tokens: int | None = None) -> dict:
-        body = {"model": self.model, "max_tokens": max_tokens or p.output_len, "temperature": self.args.temperature,
+        model = self._pick.choice(self.adapters) if self.adapters else self.model
+        body = {"model": model, "max_tokens": max_tokens or p.output_len, "temperature": self.args.temperature,
                 "stream": stream}
         for key in ("top_p", "top_k"):
             if getattr(self.args, key, None) is not None:

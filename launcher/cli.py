@@ -111,6 +111,9 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--url", required=True, help="server base URL (e.g. http://127.0.0.1:8000) or full endpoint URL")
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one of them as its model, at random "
+                        "(--seed), as vLLM's benchmark does")
     p.add_argument("--api-key", default=None,
                    help="sent as `Authorization: Bearer KEY` (default: $MESHSERVE_API_KEY, if set)")
     p.add_argument("--num-prompts", type=int, default=100)

@@ -40,8 +40,9 @@ from meshserve.engine.build import build_single_rank_engine
 VARIANTS = ("base", "lora-off-rows", "lora")
 
 
-def write_adapters(info, root: Path, count: int, rank: int) -> dict[str, str]:
-    """`count` random adapters of `rank` on every target of every layer, name -> directory."""
+def write_adapters(info, root: Path, count: int, rank: int, base: Path | None = None) -> dict[str, str]:
+    """`count` random adapters of `rank` on every target of every layer, name -> directory, in
+    PEFT's format (what vLLM reads too); `base`: the base model's directory they name."""
     g = torch.Generator().manual_seed(0)
     out = {}
     for i in range(count):
@@ -56,8 +57,10 @@ def write_adapters(info, root: Path, count: int, rank: int) -> dict[str, str]:
                 tensors[f"{key}.lora_A.weight"] = torch.randn(rank, cols, generator=g) * 0.02
                 tensors[f"{key}.lora_B.weight"] = torch.randn(rows, rank, generator=g) * 0.02
         save_file(tensors, str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank,
-                                                           "target_modules": list(TARGETS), "peft_type": "LORA"}))
+        (d / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+            "target_modules": list(TARGETS), "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+            "use_rslora": False, "use_dora": False, "base_model_name_or_path": str(base) if base else None}))
         out[f"bench{i}"] = str(d)
     return out
 

@@ -166,7 +166,7 @@ def test_the_roofline_peak_times_the_multiply_the_config_runs(monkeypatch, dtype
     assert calls == [("cpu", dtype, quantization)]
 
 
-def test_bench_sends_top_p_and_top_k_only_when_given():
+def test_bench_sends_top_p_and_top_k_only_when_given_and_spreads_requests_over_lora_modules():
     from meshserve.client.bench import Target
     from meshserve.client.bench_data import BenchPrompt
 
@@ -177,3 +177,10 @@ def test_bench_sends_top_p_and_top_k_only_when_given():
     args.top_p, args.top_k = 0.9, 40
     body = Target("http://x/v1/completions", "m", False, args).body(prompt)
     assert (body["top_p"], body["top_k"]) == (0.9, 40)
+    # --lora-modules: each request names one of the adapters, at random but each of them
+    args.lora_modules, args.seed = ["a", "b", "c"], 3
+    target = Target("http://x/v1/completions", "m", False, args)
+    models = [target.body(prompt)["model"] for _ in range(60)]
+    assert set(models) == {"a", "b", "c"}
+    again = Target("http://x/v1/completions", "m", False, args)
+    assert models == [again.body(prompt)["model"] for _ in range(60)]  # --seed fixes the choices
