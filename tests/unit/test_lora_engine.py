@@ -169,3 +169,29 @@ def test_adapters_with_speculative_decoding_and_a_constraint_match_the_merged_ch
         oracle = make_engine(merged, *spec)
         mine = [(None, p, compiler.compile(choice.spec) if g else None) for n, p, g in requests if n == name]
         assert [t for (n, _, _), t in zip(requests, got) if n == name] == tokens(oracle, mine), name
+
+
+def test_lora_config_mistakes_fail_before_any_rank_starts(tiny_checkpoints, adapters, tmp_path):
+    from meshserve.configs import ConfigError, load_config
+    from meshserve.configs.validate import check_config
+    from meshserve.launcher.flags import lora_modules
+
+    def check(path, *sets):
+        check_config(load_config(None, [f"model.path={path}", *sets]))
+
+    base = tiny_checkpoints["llama-6h"]
+    with pytest.raises(ConfigError, match=r"LoRA adapter 'a0' has rank 8; this server takes ranks 1\.\.4 "):
+        check(base, *adapter_settings(adapters, ["a0"], max_rank=4))
+    with pytest.raises(ConfigError, match="missing"):
+        check(base, f"lora.adapters={{x: {tmp_path}}}")
+    with pytest.raises(ConfigError, match="disaggregated prefill/decode"):
+        check(base, *adapter_settings(adapters, ["a1"]), "parallel.data=2", "disaggregation.prefill_replicas=1")
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        check(tiny_checkpoints["qwen3-moe"], "lora.enabled=true")
+    # another model's adapter: a shape that does not match, with the numbers
+    with pytest.raises(ConfigError, match=r"layer 0 down_proj has A \(8, 192\) and B \(96, 8\); this model needs A \(8, 160\) and "
+                                          r"B \(64, 8\)"):
+        check(tiny_checkpoints["llama"], *adapter_settings(adapters, ["a0"]))
+    assert lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == {"a": "/x", "b": "/y"}
+    with pytest.raises(ConfigError, match="expected NAME=PATH"):
+        lora_modules(["nopath"])
