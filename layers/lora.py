@@ -19,11 +19,6 @@ import torch
 
 from meshserve.layers.lora_product import add_lora, group_rows
 
-DECODE_ROWS = 64
-"""At most this many rows go through the fused per-row kernel (decode steps); more (prefill
-chunks) through one grouped product per adapter, whose matmuls amortize over the rows."""
-
-
 @dataclass(frozen=True)
 class LoraPart:
     """One module a layer's output (column-parallel) or input (row-parallel) holds."""
@@ -44,7 +39,9 @@ class LoraBatch:
 
     def __init__(self, kernel=None):
         """`kernel(y, x, slots, a, b)`: adds the deltas in place on the device's fused kernel
-        (C++ on the CPU, Triton on CUDA), or None: the torch product only."""
+        (C++ on the CPU, Triton on CUDA), or None: the torch product (one pair of matmuls per
+        adapter in use), which scripts/bench_lora.py's kernel comparison shows slower at
+        decode and prefill sizes alike."""
         self.kernel = kernel
         self.slots: torch.Tensor | None = None
         self._groups: list | None = None
@@ -103,7 +100,7 @@ class LoraStack:
         if slots is None:
             return y
         kernel = self.batch.kernel
-        if kernel is not None and x.shape[0] <= DECODE_ROWS:
+        if kernel is not None:
             y = y.contiguous()
             kernel(y, x.contiguous(), slots, self.a, self.b)
             return y

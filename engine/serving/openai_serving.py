@@ -65,7 +65,8 @@ class OpenAIServing:
         self.chat_template = chat_template_source(tokenizer.hf.chat_template)
         self.tool_format = tool_format_for(self.chat_template)
         """How the model writes tool calls (engine/serving/tools), from its chat template."""
-        self.tokenizer_api = TokenizerApi(tokenizer, vocab_size, max_model_len, model_name, self.in_pool)
+        self.tokenizer_api = TokenizerApi(tokenizer, vocab_size, max_model_len, model_name, self.in_pool,
+                                          adapters.resolve if adapters is not None else None)
         self.responses = ResponsesApi(self.start_chat, model_name, max_model_len)
 
     def close(self) -> None:

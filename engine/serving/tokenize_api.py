@@ -90,14 +90,18 @@ def meshserve_version() -> str:
 class TokenizerApi:
     """The handlers of /tokenize, /detokenize and /tokenizer_info for one served model."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, model_name: str, in_pool: InPool):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, model_name: str, in_pool: InPool,
+                 check: Callable[[str | None], object] | None = None):
+        """`check(model)`: raises OpenAIError for a `model` the server does not serve (default:
+        any name but `model_name`; a LoRA adapter's name is served too, with the base's tokenizer)."""
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.model_name, self._in_pool = model_name, in_pool
+        self._check = check or (lambda model: check_model(model, model_name))
         self._info: dict[str, Any] | None = None
 
     async def tokenize(self, body: bytes) -> dict[str, Any]:
         req = self._parse_tokenize(body)
-        check_model(req.model, self.model_name)
+        self._check(req.model)
         if isinstance(req, TokenizeChatRequest):
             check_template_flags(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
             messages, chars = template_input(req.messages, self.max_model_len)
@@ -128,7 +132,7 @@ class TokenizerApi:
 
     async def detokenize(self, body: bytes) -> dict[str, Any]:
         req = parse_fields(split_fields(body), DetokenizeRequest, self.max_model_len)
-        check_model(req.model, self.model_name)
+        self._check(req.model)
         bad = [t for t in req.tokens if t >= self.vocab_size]
         if bad:
             raise OpenAIError(400, f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})",

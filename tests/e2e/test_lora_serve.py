@@ -101,6 +101,8 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded_under_load(tmp_path, 
         assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=headers, timeout=60,
                           json={"lora_name": "nope"}).status_code == 400
         assert complete("a3", PROMPTS[1]) == expected("a3", PROMPTS[1])
+        tokenized = httpx.post(f"{url}/tokenize", headers=headers, timeout=30, json={"model": "a3", "prompt": "hi"})
+        assert tokenized.status_code == 200 and tokenized.json()["tokens"]
 
 
 @pytest.mark.slow
