@@ -77,3 +77,20 @@ def nodes():
         two.down()
 
 
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_checkpoints, tmp_path_factory):
+    """name -> directory of the tests' PEFT adapters (support.lora.ADAPTERS) on the 6-head tiny
+    Llama (tp=3 divides it)."""
+    from support.lora import make_adapters
+
+    return make_adapters(tiny_checkpoints["llama-6h"], tmp_path_factory.mktemp("lora-adapters"))
+
+
+@pytest.fixture(scope="session")
+def lora_expected(tiny_checkpoints, lora_adapters):
+    """(adapter or None, prompt) -> transformers' 8 greedy tokens with that adapter merged."""
+    from support.lora import greedy_oracle
+
+    return greedy_oracle(tiny_checkpoints["llama-6h"], lora_adapters, 8)

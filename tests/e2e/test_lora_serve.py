@@ -15,21 +15,11 @@ import openai
 import pytest
 
 from meshserve.client import Client
-from support.lora import PROMPTS, adapter_settings, greedy_oracle, make_adapter, make_adapters
+from support.lora import PROMPTS, adapter_settings, make_adapter
 from support.server import free_port, http_server, openai_client
 
 TOKENS = 8
 KEY = "lora-test-key"
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_checkpoints, tmp_path_factory):
-    return make_adapters(tiny_checkpoints["llama-6h"], tmp_path_factory.mktemp("adapters"))
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_checkpoints, adapters):
-    return greedy_oracle(tiny_checkpoints["llama-6h"], adapters, TOKENS)
 
 
 def zmq_tokens(zmq: str, requests: list[tuple[str | None, list[int]]]) -> list[list[int]]:
@@ -40,9 +30,10 @@ def zmq_tokens(zmq: str, requests: list[tuple[str | None, list[int]]]) -> list[l
         return [[t for d in s for t in d.token_ids] for s in streams]
 
 
-def test_adapters_by_model_name_listed_loaded_and_unloaded_under_load(tmp_path, tiny_checkpoints, adapters, expected):
+def test_adapters_by_model_name_listed_loaded_and_unloaded_under_load(tmp_path, tiny_checkpoints, lora_adapters,
+                                                                      lora_expected):
     base = tiny_checkpoints["llama-6h"]
-    settings = [f"model.path={base}", *adapter_settings(adapters, ["a0", "a1"], max_loras=2),
+    settings = [f"model.path={base}", *adapter_settings(lora_adapters, ["a0", "a1"], max_loras=2),
                 f"server.api_key={KEY}", "scheduler.max_num_seqs=6"]
     zmq = f"tcp://127.0.0.1:{free_port()}"
     with http_server(tmp_path, *settings, zmq=zmq) as (proc, url), openai_client(url, 120, KEY) as oai:
@@ -65,7 +56,7 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded_under_load(tmp_path, 
         running = [complete(name or base_name, p, stream=True) for name, p in requests]
         firsts = [next(iter(s)).choices[0].token_ids for s in running]
         load = httpx.post(f"{url}/v1/load_lora_adapter", headers=headers, timeout=60,
-                          json={"lora_name": "a2", "lora_path": str(adapters["a2"])})
+                          json={"lora_name": "a2", "lora_path": str(lora_adapters["a2"])})
         assert load.status_code == 200, load.text
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             later = [pool.submit(complete, "a2", p) for p in PROMPTS]
@@ -73,17 +64,17 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded_under_load(tmp_path, 
                                 json={"lora_name": "a1"})
             assert unload.status_code == 200, unload.text
             assert httpx.post(f"{url}/v1/load_lora_adapter", headers=headers, timeout=60,
-                              json={"lora_name": "a3", "lora_path": str(adapters["a3"])}).status_code == 200
+                              json={"lora_name": "a3", "lora_path": str(lora_adapters["a3"])}).status_code == 200
             for (name, p), first, stream in zip(requests, firsts, running):
-                assert first + tokens(stream) == expected(name, p), f"adapter {name}"
+                assert first + tokens(stream) == lora_expected(name, p), f"adapter {name}"
             for p, f in zip(PROMPTS, later):
-                assert f.result() == expected("a2", p)
+                assert f.result() == lora_expected("a2", p)
         assert {m.id for m in oai.models.list().data} == {base_name, "a0", "a2", "a3"}
         with pytest.raises(openai.NotFoundError, match="a1"):
             complete("a1", PROMPTS[0])
         # over ZMQ: lora= names the adapter; four adapters through two slots
         requests = [(n, p) for p in PROMPTS for n in ["a0", "a2", "a3", None]]
-        assert zmq_tokens(zmq, requests) == [expected(n, p) for n, p in requests]
+        assert zmq_tokens(zmq, requests) == [lora_expected(n, p) for n, p in requests]
         metrics = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
         for name, n in (("a0", 4), ("a2", 4), ("a3", 2)):
             assert f'meshserve_lora_requests_total{{adapter="{name}"}} {n}.0' in metrics, name
@@ -100,33 +91,34 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded_under_load(tmp_path, 
                           json={"lora_name": "x", "lora_path": str(wide)}).status_code == 401
         assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=headers, timeout=60,
                           json={"lora_name": "nope"}).status_code == 400
-        assert complete("a3", PROMPTS[1]) == expected("a3", PROMPTS[1])
+        assert complete("a3", PROMPTS[1]) == lora_expected("a3", PROMPTS[1])
         tokenized = httpx.post(f"{url}/tokenize", headers=headers, timeout=30, json={"model": "a3", "prompt": "hi"})
         assert tokenized.status_code == 200 and tokenized.json()["tokens"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["parallel.tensor=3", "parallel.pipeline=2"])
-def test_sharded_adapters_match_transformers_merged(tmp_path, tiny_checkpoints, adapters, expected, layout):
+def test_sharded_adapters_match_transformers_merged(tmp_path, tiny_checkpoints, lora_adapters, lora_expected, layout):
     """Four adapters and the base in one batch at tp=3 (A and B sharded as the base layers
     are, the row-parallel deltas summed by the all-reduce) and pp=2 (each stage its layers')."""
-    settings = [f"model.path={tiny_checkpoints['llama-6h']}", *adapter_settings(adapters), layout]
+    settings = [f"model.path={tiny_checkpoints['llama-6h']}", *adapter_settings(lora_adapters), layout]
     env = os.environ | {"OMP_NUM_THREADS": "2"}
     zmq = f"tcp://127.0.0.1:{free_port()}"
     with http_server(tmp_path, *settings, zmq=zmq, env=env):
-        requests = [(n, p) for p in PROMPTS for n in [None, *adapters]]
-        assert zmq_tokens(zmq, requests) == [expected(n, p) for n, p in requests]
+        requests = [(n, p) for p in PROMPTS for n in [None, *lora_adapters]]
+        assert zmq_tokens(zmq, requests) == [lora_expected(n, p) for n, p in requests]
 
 
 @pytest.mark.slow
-def test_replicas_serve_adapters_and_the_front_door_loads_them_on_each(tmp_path, tiny_checkpoints, adapters, expected):
+def test_replicas_serve_adapters_and_the_front_door_loads_them_on_each(tmp_path, tiny_checkpoints, lora_adapters,
+                                                                       lora_expected):
     """parallel.data=2 behind the front door (cache-aware): adapters chosen by `model`, one loaded
     at run time on both replicas, each request given its adapter's tokens wherever it runs."""
-    settings = [f"model.path={tiny_checkpoints['llama-6h']}", *adapter_settings(adapters, ["a0", "a1"]),
+    settings = [f"model.path={tiny_checkpoints['llama-6h']}", *adapter_settings(lora_adapters, ["a0", "a1"]),
                 "parallel.data=2", "router.policy=cache_aware"]
     with http_server(tmp_path, *settings) as (_, url), openai_client(url, 120) as oai:
         load = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
-                          json={"lora_name": "a2", "lora_path": str(adapters["a2"])})
+                          json={"lora_name": "a2", "lora_path": str(lora_adapters["a2"])})
         assert load.status_code == 200, load.text
         base_name = oai.models.list().data[0].id
         assert {m.id for m in oai.models.list().data} == {base_name, "a0", "a1", "a2"}
@@ -139,8 +131,9 @@ def test_replicas_serve_adapters_and_the_front_door_loads_them_on_each(tmp_path,
         requests = [(n, p) for p in PROMPTS for n in ["a0", "a1", "a2", None]] * 2
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda r: complete(*r), requests))
-        assert results == [expected(n, p) for n, p in requests]
-        bad = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60, json={"lora_name": "x", "lora_path": "/nonexistent"})
+        assert results == [lora_expected(n, p) for n, p in requests]
+        bad = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                         json={"lora_name": "x", "lora_path": "/nonexistent"})
         assert bad.status_code == 400 and "adapter_config.json is missing" in bad.text
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert 'reason="adapter"' in metrics  # a new prompt of an adapter went where the adapter was served

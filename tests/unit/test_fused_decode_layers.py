@@ -158,13 +158,6 @@ def test_what_it_does_not_cover_keeps_the_loop(tiny_checkpoints):
     assert scalar.executor.runner.decode.eager.fused is None
 
 
-@pytest.fixture(scope="module")
-def lora_adapters(tiny_checkpoints, tmp_path_factory):
-    from support.lora import make_adapters
-
-    return make_adapters(tiny_checkpoints["llama-6h"], tmp_path_factory.mktemp("fused-lora"))
-
-
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_rows_in_the_fused_layers_give_the_loop_s_tokens(tiny_checkpoints, lora_adapters, dtype, isa):

@@ -11,25 +11,14 @@ from meshserve.comm.messages import SamplingParams
 from meshserve.configs.adapters import AdapterError
 from meshserve.engine.admission import RequestError
 from support.engines import make_engine
-from support.lora import PROMPTS, adapter_settings, greedy_oracle, make_adapters
+from support.lora import PROMPTS, adapter_settings
 
 TOKENS = 8
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_checkpoints, tmp_path_factory):
-    """name -> adapter directory, on the 6-head tiny Llama (tp=3 divides it)."""
-    return make_adapters(tiny_checkpoints["llama-6h"], tmp_path_factory.mktemp("adapters"))
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_checkpoints, adapters):
-    return greedy_oracle(tiny_checkpoints["llama-6h"], adapters, TOKENS)
-
-
-def adapter_overrides(adapters, names=None, max_loras=4, max_rank=8):
-    return adapter_settings(adapters, names, max_loras, max_rank)
+def adapter_overrides(lora_adapters, names=None, max_loras=4, max_rank=8):
+    return adapter_settings(lora_adapters, names, max_loras, max_rank)
 
 
 def run(engine, requests, cached=None):
@@ -49,12 +38,13 @@ def run(engine, requests, cached=None):
     return [out[i] for i in range(len(requests))]
 
 
-def test_four_adapters_and_the_base_in_one_batch_each_match_transformers_merged(tiny_checkpoints, adapters, expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters))
-    requests = [(name, prompt) for prompt in PROMPTS for name in [None, *adapters]]
+def test_four_adapters_and_the_base_in_one_batch_each_match_transformers_merged(tiny_checkpoints, lora_adapters,
+                                                                                lora_expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters))
+    requests = [(name, prompt) for prompt in PROMPTS for name in [None, *lora_adapters]]
     first = run(engine, requests)
     for (name, prompt), tokens in zip(requests, first):
-        assert tokens == expected(name, prompt), f"adapter {name}, prompt {prompt[:3]}..."
+        assert tokens == lora_expected(name, prompt), f"adapter {name}, prompt {prompt[:3]}..."
     assert len({tuple(t) for t in first[:5]}) == 5, "the adapters should change the output"
     # again: the first prompt's blocks are cached now, each under its own adapter
     cached = []
@@ -62,38 +52,38 @@ def test_four_adapters_and_the_base_in_one_batch_each_match_transformers_merged(
     assert all(n >= 16 for n in cached[:5]), cached
 
 
-def test_two_slots_serve_four_adapters_in_rotation(tiny_checkpoints, adapters, expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters, max_loras=2),
+def test_two_slots_serve_four_adapters_in_rotation(tiny_checkpoints, lora_adapters, lora_expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters, max_loras=2),
                          "scheduler.max_num_seqs=3")
-    names = list(adapters)
+    names = list(lora_adapters)
     requests = [(names[i % 4], PROMPTS[i % 2]) for i in range(10)] + [(None, PROMPTS[0])]
     for (name, prompt), tokens in zip(requests, run(engine, requests)):
-        assert tokens == expected(name, prompt), f"adapter {name}"
+        assert tokens == lora_expected(name, prompt), f"adapter {name}"
     slots = engine.loras.slots
     assert slots.evictions >= 2 and len(slots.resident) == 2 and not slots.users
     # the memory plan counted the slots the ranks hold
     assert engine.memory.lora_bytes == engine.executor.runner.adapters.num_bytes > 0
 
 
-def test_adapters_load_and_unload_between_requests(tiny_checkpoints, adapters, expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters, names=["a0"], max_loras=2))
+def test_adapters_load_and_unload_between_requests(tiny_checkpoints, lora_adapters, lora_expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters, names=["a0"], max_loras=2))
     with pytest.raises(RequestError, match="no LoRA adapter named 'a1'"):
         engine.add_request(0, "0", PROMPTS[0], GREEDY, lora="a1")
-    engine.load_lora("a1", str(adapters["a1"]))
-    assert run(engine, [("a1", PROMPTS[0]), ("a0", PROMPTS[1])]) == [expected("a1", PROMPTS[0]),
-                                                                   expected("a0", PROMPTS[1])]
+    engine.load_lora("a1", str(lora_adapters["a1"]))
+    assert run(engine, [("a1", PROMPTS[0]), ("a0", PROMPTS[1])]) == [lora_expected("a1", PROMPTS[0]),
+                                                                   lora_expected("a0", PROMPTS[1])]
     # the name now stands for another adapter: neither its old weights nor its cached blocks serve it
     engine.unload_lora("a1")
-    engine.load_lora("a1", str(adapters["a3"]))
-    assert run(engine, [("a1", PROMPTS[0])]) == [expected("a3", PROMPTS[0])]
+    engine.load_lora("a1", str(lora_adapters["a3"]))
+    assert run(engine, [("a1", PROMPTS[0])]) == [lora_expected("a3", PROMPTS[0])]
     with pytest.raises(AdapterError, match="already loaded"):
-        engine.load_lora("a0", str(adapters["a2"]))
+        engine.load_lora("a0", str(lora_adapters["a2"]))
     with pytest.raises(AdapterError, match="no LoRA adapter named 'zz'"):
         engine.unload_lora("zz")
 
 
-def test_an_adapter_unloaded_while_its_request_runs_finishes_it(tiny_checkpoints, adapters, expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(adapters, names=["a0", "a2"]))
+def test_an_adapter_unloaded_while_its_request_runs_finishes_it(tiny_checkpoints, lora_adapters, lora_expected):
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters, names=["a0", "a2"]))
     engine.add_request(0, "0", PROMPTS[0], GREEDY, lora="a2")
     out = []
     for _ in range(3):
@@ -103,7 +93,7 @@ def test_an_adapter_unloaded_while_its_request_runs_finishes_it(tiny_checkpoints
         engine.add_request(1, "1", PROMPTS[0], GREEDY, lora="a2")
     while engine.has_work():
         out += [t for _, d in engine.step() for t in d.token_ids]
-    assert out == expected("a2", PROMPTS[0])
+    assert out == lora_expected("a2", PROMPTS[0])
     assert not engine.loras.slots.resident, "the unloaded adapter's slot is free once its request ends"
 
 
@@ -129,8 +119,9 @@ def test_smollm2_with_two_adapters_and_the_base_in_one_batch_matches_transformer
     assert run(engine, requests) == [want[n] for n, _ in requests]
 
 
-def test_adapters_with_speculative_decoding_and_a_constraint_match_the_merged_checkpoint(tiny_checkpoints, adapters,
-                                                                                          expected, tmp_path):
+def test_adapters_with_speculative_decoding_and_a_constraint_match_the_merged_checkpoint(tiny_checkpoints,
+                                                                                          lora_adapters,
+                                                                                          lora_expected, tmp_path):
     """n-gram drafts verified with each row's adapter, and a choice constraint on an adapter's
     row: the tokens of meshserve serving the checkpoint with that adapter merged."""
     from meshserve.comm.messages import StructuredOutputs
@@ -141,13 +132,13 @@ def test_adapters_with_speculative_decoding_and_a_constraint_match_the_merged_ch
     base = tiny_checkpoints["llama-6h"]
     spec = ("speculative.method=ngram", "speculative.num_speculative_tokens=4", "speculative.adaptive=false",
             "speculative.prompt_lookup_min=1")
-    engine = make_engine(base, *adapter_settings(adapters, ["a0", "a2"]), *spec)
+    engine = make_engine(base, *adapter_settings(lora_adapters, ["a0", "a2"]), *spec)
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size)
     choice = compiler.compile(spec_from_message(StructuredOutputs(choice=["red apple", "green pear", "blue sky"])))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     # a prompt, the adapter's answer to it and the prompt again: the answer is likely again,
     # and the n-gram proposer proposes it
-    again = {n: PROMPTS[1] + expected(n, PROMPTS[1]) + PROMPTS[1] for n in ("a0", "a2")}
+    again = {n: PROMPTS[1] + lora_expected(n, PROMPTS[1]) + PROMPTS[1] for n in ("a0", "a2")}
     requests = [("a0", again["a0"], None), ("a2", again["a2"], None), ("a2", PROMPTS[1], choice),
                 (None, again["a0"], None)]
 
@@ -164,14 +155,14 @@ def test_adapters_with_speculative_decoding_and_a_constraint_match_the_merged_ch
     assert engine.speculator.stats.num_draft_tokens > 0  # rows of drafts verified with their adapter
     for name in ("a0", "a2"):
         merged = tmp_path / name
-        merged_model(base, adapters[name]).save_pretrained(str(merged))
+        merged_model(base, lora_adapters[name]).save_pretrained(str(merged))
         save_tokenizer(merged)
         oracle = make_engine(merged, *spec)
         mine = [(None, p, compiler.compile(choice.spec) if g else None) for n, p, g in requests if n == name]
         assert [t for (n, _, _), t in zip(requests, got) if n == name] == tokens(oracle, mine), name
 
 
-def test_lora_config_mistakes_fail_before_any_rank_starts(tiny_checkpoints, adapters, tmp_path):
+def test_lora_config_mistakes_fail_before_any_rank_starts(tiny_checkpoints, lora_adapters, tmp_path):
     from meshserve.configs import ConfigError, load_config
     from meshserve.configs.validate import check_config
     from meshserve.launcher.flags import lora_modules
@@ -181,17 +172,18 @@ def test_lora_config_mistakes_fail_before_any_rank_starts(tiny_checkpoints, adap
 
     base = tiny_checkpoints["llama-6h"]
     with pytest.raises(ConfigError, match=r"LoRA adapter 'a0' has rank 8; this server takes ranks 1\.\.4 "):
-        check(base, *adapter_settings(adapters, ["a0"], max_rank=4))
+        check(base, *adapter_settings(lora_adapters, ["a0"], max_rank=4))
     with pytest.raises(ConfigError, match="missing"):
         check(base, f"lora.adapters={{x: {tmp_path}}}")
     with pytest.raises(ConfigError, match="disaggregated prefill/decode"):
-        check(base, *adapter_settings(adapters, ["a1"]), "parallel.data=2", "disaggregation.prefill_replicas=1")
+        check(base, *adapter_settings(lora_adapters, ["a1"]), "parallel.data=2", "disaggregation.prefill_replicas=1")
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         check(tiny_checkpoints["qwen3-moe"], "lora.enabled=true")
     # another model's adapter: a shape that does not match, with the numbers
-    with pytest.raises(ConfigError, match=r"layer 0 down_proj has A \(8, 192\) and B \(96, 8\); this model needs A \(8, 160\) and "
+    with pytest.raises(ConfigError, match=r"layer 0 down_proj has A \(8, 192\) and B \(96, 8\); this model needs "
+                                          r"A \(8, 160\) and "
                                           r"B \(64, 8\)"):
-        check(tiny_checkpoints["llama"], *adapter_settings(adapters, ["a0"]))
+        check(tiny_checkpoints["llama"], *adapter_settings(lora_adapters, ["a0"]))
     assert lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == {"a": "/x", "b": "/y"}
     with pytest.raises(ConfigError, match="expected NAME=PATH"):
         lora_modules(["nopath"])
