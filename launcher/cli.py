@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -42,6 +43,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="this node's rank, 0 .. cluster.nodes-1, when the config spans several nodes")
     # Set by `meshserve serve`/`generate` on the ranks they start: run as one rank of the launcher's world.
     p.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
+    # ... and the launcher's pid, which the ranks must not outlive (launcher/lifetime.py).
+    p.add_argument("--launcher-pid", type=int, default=None, help=argparse.SUPPRESS)
     flags.add_flags(p)
 
 
@@ -230,8 +233,10 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
                               check_sets=lambda sets: _check_replica_sets(args, sets))
     if args.as_rank:
         from meshserve.launcher.env import rank_env_from_environ
+        from meshserve.launcher.lifetime import die_with_launcher
         from meshserve.launcher.rank import run_rank
 
+        die_with_launcher(args.launcher_pid)
         return run_rank(config, info, memory, rank_env_from_environ(config.cluster), mode_factory())
     if config.world_size == 1:
         from meshserve.launcher.env import RankEnv
@@ -242,7 +247,8 @@ def _run(args: argparse.Namespace, mode_factory) -> int:
 
     if args.api_key is not None:
         export_api_key(args.api_key)
-    return spawn_local_ranks(config, ["-m", "meshserve.launcher.cli", *flags.without_api_key(args.argv), "--as-rank"],
+    return spawn_local_ranks(config, ["-m", "meshserve.launcher.cli", *flags.without_api_key(args.argv), "--as-rank",
+                                     "--launcher-pid", str(os.getpid())],
                              shutdown_timeout=getattr(args, "drain_timeout", 30.0) + 15, node_rank=args.node_rank)
 
 

@@ -17,7 +17,6 @@ the front door dies (PR_SET_PDEATHSIG), so nothing outlives it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -32,12 +31,12 @@ from meshserve.configs.cpu_bind import auto_share, parse_cpu_list
 from meshserve.configs.cpu_features import usable_cores
 from meshserve.configs.schema import Config
 from meshserve.launcher import flags
+from meshserve.launcher.lifetime import die_with_parent
 from meshserve.launcher.network import free_port
 
 log = logging.getLogger("meshserve")
 
 READY = re.compile(r"meshserve ready zmq=(\S+) http=(\S+)")
-PR_SET_PDEATHSIG = 1
 RELAY_GRACE_S = 1.0
 STOP_GRACE_S = 15.0
 """After the drain timeout, how long a replica gets to exit before it is killed."""
@@ -106,12 +105,6 @@ def _cpu_list(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the front door's process ends."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def start_replica(index: int, argv: list[str], sets: list[str], on_exit) -> ReplicaProcess:
     """Start replica `index`: `meshserve <argv> <sets>`; its output goes to this process's
     stderr, each line prefixed with the replica; `on_exit(index, reason)` runs (on a thread
@@ -119,7 +112,7 @@ def start_replica(index: int, argv: list[str], sets: list[str], on_exit) -> Repl
     env = dict(os.environ, PYTHONUNBUFFERED="1", MESHSERVE_REPLICA=str(index))
     process = subprocess.Popen([sys.executable, "-m", "meshserve.launcher.cli", *argv, *sets], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True, preexec_fn=_die_with_parent, text=True, bufsize=1)
+                               start_new_session=True, preexec_fn=die_with_parent, text=True, bufsize=1)
     replica = ReplicaProcess(index, process)
 
     def relay() -> None:

@@ -6,6 +6,7 @@
 - a rank SIGSTOPped: the driver gives up on it and exits first, and the serve command names
   the stopped rank as the one whose heartbeats stopped;
 - the driver SIGKILLed: the other rank exits and removes the control plane's socket directory;
+- the launcher SIGKILLed: its ranks, in sessions of their own, stop all the same;
 - SIGTERM with requests in flight: they all finish, every rank exits, exit code 0;
 - a burst of 10x the admission limit: refusals are immediate and explicit (`overloaded`),
   every admitted request completes; the tokens-waiting limit refuses too.
@@ -141,6 +142,25 @@ def test_driver_killed_while_idle_takes_the_other_ranks_down(tmp_path, tiny_chec
         while alive(pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(pids.values()), "rank 1 outlived the driver"
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_launcher_killed_outright_takes_its_ranks_down(tmp_path, tiny_checkpoints):
+    """SIGKILL reaches the launcher alone (the agent starts each rank in a session of its
+    own, and a killed launcher forwards nothing): its ranks still stop, and free the port."""
+    server, address = _serve(tmp_path, tiny_checkpoints["llama"], "killlauncher", "parallel.tensor=2")
+    try:
+        pids = _rank_pids(server)
+        assert sorted(pids) == [0, 1], server.tail()
+        with Client(address, timeout=60) as client:
+            assert len(client.generate(PROMPT, max_tokens=4, ignore_eos=True, temperature=0).token_ids) == 4
+        os.kill(server.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 45
+        while alive(pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(pids.values()), f"ranks outlived their launcher:\n{server.tail()}"
     finally:
         server.kill()
 

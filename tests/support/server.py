@@ -74,6 +74,13 @@ class MeshserveProcess:
             self.kill()
 
     def kill(self) -> None:
+        """SIGKILL to the launcher's group and to every process below it (ranks run in
+        sessions of their own)."""
+        for pid in self.descendants():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
