@@ -151,7 +151,8 @@ def plan_memory(config: Config, info: ModelInfo, source: str = "<builtin default
             f"{kv_per_token} bytes per token) or lower model.max_model_len"
         )
     return MemoryPlan(dtype, weight_bytes, kv_per_token, block, num_blocks, max_len, quantization, config.cache.dtype,
-                      lora_slot_bytes(config, info) * most_layers * config.lora.max_loras if config.lora.active else 0)
+                      (lora_slot_bytes(config, info) * most_layers + lora_vocab_slot_bytes(config, info))
+                      * config.lora.max_loras if config.lora.active else 0)
 
 
 def lora_slot_bytes(config: Config, info: ModelInfo) -> int:
@@ -167,3 +168,14 @@ def lora_slot_bytes(config: Config, info: ModelInfo) -> int:
               + 2 * r * h + 2 * inter * 2 * r       # gate/up
               + r * inter + h * r)                  # down
     return params * DTYPE_BYTES[config.torch_dtype_name]
+
+
+def lora_vocab_slot_bytes(config: Config, info: ModelInfo) -> int:
+    """One LoRA slot's share on a rank of the embedding and the LM head (layers/lora_vocab.py
+    and layers/lora.py: A^T or B split by vocabulary rows, the other whole), counted for
+    both, as a rank of one pipeline stage holds."""
+    r, h = config.lora.max_rank, info.hidden_size
+    local_vocab = -(-info.vocab_size // config.parallel.tensor)
+    embedding = local_vocab * r + h * r + r * r  # A^T's rows, B, the identity the expand takes
+    head = r * h + local_vocab * r
+    return (embedding + head) * DTYPE_BYTES[config.torch_dtype_name]

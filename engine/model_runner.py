@@ -99,6 +99,10 @@ class StepInputs:
     (SeqDelta.deferred); input_ids holds it, taken on the device."""
     lora: bool = False
     """Rows of the step use LoRA adapters (their slots are set on the model's LoraBatch)."""
+    token_slots: list[int] = field(default_factory=list)
+    """Per row of the flat batch, its sequence's adapter slot (-1: none), where LoRA is served."""
+    sample_slots: list[int] = field(default_factory=list)
+    """Per sampled row, its sequence's adapter slot (for the LM head's adapters)."""
 
 
 @dataclass
@@ -225,7 +229,7 @@ class ModelRunner:
             self._take_deferred(inputs)
         if self.block_tables is not None:
             block_tables = self.block_tables.rows([c.seq_id for c in batch], block_tables)
-        inputs.lora = self._set_adapters(lora_slots)
+        inputs.lora = self._set_adapters(inputs, lora_slots)
         if not inputs.prompt_spans and not inputs.lora and self.decode.replays(query_lens):
             inputs.graph_step = (inputs.input_ids, positions, seq_lens, block_tables)
             return inputs
@@ -233,12 +237,20 @@ class ModelRunner:
                                                         self.device)
         return inputs
 
-    def _set_adapters(self, slots: list[int]) -> bool:
+    def _set_adapters(self, inputs: StepInputs, slots: list[int]) -> bool:
         """Tell the LoRA layers each row's adapter slot; whether any row has one."""
         if self.adapters is None:
             return False
+        inputs.token_slots = slots
         self.adapters.batch.set(slots, self.device)
         return self.adapters.batch.slots is not None
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int], slots: list[int] | None) -> torch.Tensor | None:
+        """The head's logits of `hidden`'s `rows`, each with its adapter's LM head pair, if
+        any (`slots`: per row)."""
+        if self.adapters is not None:
+            self.adapters.head_batch.set(slots, self.device)
+        return self.model.compute_logits(hidden[rows])
 
     def _take_deferred(self, inputs: StepInputs) -> None:
         """The deferred rows' tokens, from the previous step's on the device (no host wait)."""
@@ -296,7 +308,7 @@ class ModelRunner:
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         inputs.meta = build_cp_metadata(steps, cp.rank, self.memory.block_size, self.dtype, self.device)
-        inputs.lora = self._set_adapters(lora_slots)
+        inputs.lora = self._set_adapters(inputs, lora_slots)
         return inputs
 
     def sampled_after(self, plan: StepPlan) -> list[tuple[int, SamplingParams, int]]:
@@ -323,6 +335,7 @@ class ModelRunner:
         known = len(seq.token_ids)
         for j in range(len(draft) + 1):
             inputs.sample_rows.append(row + j)
+            inputs.sample_slots.append(seq.lora_slot)
             inputs.sampling.append(SamplingRow(seq.params, known + j, seq.prompt_len, tokens, seq_id, known))
 
     @staticmethod
@@ -424,11 +437,13 @@ class ModelRunner:
             return None
         prompt = None
         if inputs.prompt_spans:
-            prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_spans)
+            prompt = prompt_logprobs.compute(
+                lambda rows: self._logits(hidden, rows, [inputs.token_slots[r] for r in rows] if inputs.lora else None),
+                inputs.prompt_spans, hidden.device)
         if not inputs.sample_rows:
             self._last = None
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt) if self.sampler else None
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        logits = self._logits(hidden, inputs.sample_rows, inputs.sample_slots if inputs.lora else None)
         result, tokens = None, None
         if self.sampler is not None:
             bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, inputs.drafts, logits.device)

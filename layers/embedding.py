@@ -31,6 +31,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + self.local_vocab_size
         self.weight = nn.Parameter(torch.empty(self.local_vocab_size, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.lora = None
+        """Its LoRA adapters' slots (layers/lora_vocab.py; the head's: layers/lora.py), where
+        the server serves adapters that may target it."""
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         rows = max(0, min(self.local_vocab_size, self.vocab_size - self.vocab_start))
@@ -50,11 +53,15 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # (num_tokens,) -> (num_tokens, hidden_size)
         if self.tp.size == 1:
-            return self.lookup(input_ids)
+            out = self.lookup(input_ids)
+            return out if self.lora is None else self.lora.apply(out, input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = (input_ids - self.vocab_start) * mine
         out = self.lookup(local_ids)
-        return reduce_from_tp(out * mine.unsqueeze(-1).to(out.dtype), self.tp)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        if self.lora is not None:
+            out = self.lora.apply(out, input_ids)
+        return reduce_from_tp(out, self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -85,5 +92,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # (num_samples, hidden_size) -> (num_samples, vocab_size) on tp rank 0
         local = F.linear(hidden, self.weight) if self.packed is None else self.packed(hidden)
+        if self.lora is not None:
+            local = self.lora.apply(local, hidden)
         logits = gather_from_tp(local, self.tp, dst=0)
         return None if logits is None else logits[:, : self.vocab_size]

@@ -9,7 +9,11 @@ delta before the layer's all-reduce, which sums it ((x A^T) B^T is linear in x).
 
 A layer of several modules (QKV, gate/up) multiplies by all their A's at once (stacked:
 parts x max_rank rows) and by a block-diagonal B, so a step makes one shrink and one expand
-per layer. PEFT's scaling is folded into B when an adapter is loaded."""
+per layer. PEFT's scaling is folded into B when an adapter is loaded. A layer that no
+adapter of the step's rows targets is skipped.
+
+The LM head is a column-parallel layer of one part, with a batch of its own (its rows are
+the sampled ones); the embedding is in layers/lora_vocab.py."""
 
 from __future__ import annotations
 
@@ -44,12 +48,28 @@ class LoraBatch:
         decode and prefill sizes alike."""
         self.kernel = kernel
         self.slots: torch.Tensor | None = None
+        self.in_use: frozenset[int] = frozenset()
+        """The slots some row uses."""
         self._groups: list | None = None
 
-    def set(self, slots: list[int], device: torch.device) -> None:
+    def set(self, slots: list[int] | None, device: torch.device) -> None:
+        """Each row's slot (-1: none); None: no row has one."""
         self._groups = None
-        self.slots = (torch.tensor(slots, dtype=torch.long, device=device)
-                      if any(s >= 0 for s in slots) else None)
+        self.in_use = frozenset(s for s in slots or () if s >= 0)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device) if self.in_use else None
+
+    def uses(self, loaded: list[bool]) -> bool:
+        """Whether a row's slot holds weights for a layer whose slots' `loaded` flags these are."""
+        return self.slots is not None and any(loaded[s] for s in self.in_use)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ones: torch.Tensor
+            ) -> torch.Tensor:
+        """`y` plus each row's (x A^T) B^T, A and B those of the row's slot."""
+        if self.kernel is not None:
+            y = y.contiguous()
+            self.kernel(y, x.contiguous(), self.slots, a, b)
+            return y
+        return add_lora(y, x, self.slots, a, b, ones, self.groups())
 
     def groups(self) -> list:
         if self._groups is None:
@@ -68,6 +88,8 @@ class LoraStack:
         self.a = torch.zeros(num_slots, width, local_in, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, local_out, width, dtype=dtype, device=device)
         self._ones = torch.ones(num_slots, dtype=dtype, device=device)
+        self.loaded = [False] * num_slots
+        """Per slot, whether its adapter targets a module of this layer."""
 
     @property
     def num_bytes(self) -> int:
@@ -76,6 +98,7 @@ class LoraStack:
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.loaded[slot] = False
 
     def load(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Put an adapter's (A, B) of each module it targets here (unsharded, float32) into
@@ -85,6 +108,7 @@ class LoraStack:
             if part.module not in pairs:
                 continue
             a, b = pairs[part.module]
+            self.loaded[slot] = True
             r, col = a.shape[0], p * self.max_rank
             if self.row_parallel:
                 self.a[slot, col:col + r] = a[:, part.start:part.start + part.size]
@@ -96,12 +120,6 @@ class LoraStack:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`y` (the base layer's output for `x`) plus each row's delta."""
-        slots = self.batch.slots
-        if slots is None:
+        if not self.batch.uses(self.loaded):
             return y
-        kernel = self.batch.kernel
-        if kernel is not None:
-            y = y.contiguous()
-            kernel(y, x.contiguous(), slots, self.a, self.b)
-            return y
-        return add_lora(y, x, slots, self.a, self.b, self._ones, self.batch.groups())
+        return self.batch.add(y, x, self.a, self.b, self._ones)

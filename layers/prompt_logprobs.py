@@ -38,17 +38,17 @@ def prompt_span(seq_id: int, first_row: int, chunk_start: int, num_new: int, tok
     return PromptSpan(seq_id, first_row, chunk_start + 1, token_ids[chunk_start + 1:end + 1], top_n)
 
 
-def compute(logits_of, hidden: torch.Tensor, spans: list[PromptSpan]) -> list[PromptLogprobs]:
-    """The spans' logprobs. `logits_of(rows_hidden) -> logits` is the model's head: under
-    tensor parallelism a collective that every rank of the last stage calls alike, which is
-    why each rank calls this (and only the sampling rank keeps the result)."""
-    rows = torch.tensor([s.first_row + i for s in spans for i in range(len(s.targets))], dtype=torch.long,
-                        device=hidden.device)
-    targets = torch.tensor([t for s in spans for t in s.targets], dtype=torch.long, device=hidden.device)
+def compute(logits_of, spans: list[PromptSpan], device: torch.device) -> list[PromptLogprobs]:
+    """The spans' logprobs. `logits_of(rows) -> logits` is the model's head on those rows of
+    the step's batch (a list): under tensor parallelism a collective that every rank of the
+    last stage calls alike, which is why each rank calls this (and only the sampling rank
+    keeps the result)."""
+    rows = [s.first_row + i for s in spans for i in range(len(s.targets))]
+    targets = torch.tensor([t for s in spans for t in s.targets], dtype=torch.long, device=device)
     top_n = max(s.top_n for s in spans)
     token_lp, ranks, top_lp, top_ids = [], [], [], []
     for lo in range(0, len(rows), ROWS_PER_PASS):
-        logprobs = torch.log_softmax(logits_of(hidden[rows[lo:lo + ROWS_PER_PASS]]).float(), dim=-1)
+        logprobs = torch.log_softmax(logits_of(rows[lo:lo + ROWS_PER_PASS]).float(), dim=-1)
         mine = logprobs.gather(1, targets[lo:lo + ROWS_PER_PASS].unsqueeze(1))
         token_lp.append(mine.squeeze(1))
         ranks.append((logprobs > mine).sum(dim=1) + 1)

@@ -21,13 +21,9 @@ class LoraAdapter:
     path: str
     rank: int
     scaling: float
-    targets: tuple[str, ...]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    """(layer, module) -> (A (r, in), B (out, r)), float32."""
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+    """(layer, module) -> (A (r, in), B (out, r)), float32 (layer VOCAB_LAYER: the embedding's
+    and the LM head's)."""
 
 
 def read_adapter(name: str, path: str | Path, info: ModelInfo, max_rank: int) -> LoraAdapter:
@@ -37,4 +33,4 @@ def read_adapter(name: str, path: str | Path, info: ModelInfo, max_rank: int) ->
     with safe_open(spec.weights_file, "pt", device="cpu") as f:
         for target, (a_key, b_key) in spec.tensors.items():
             weights[target] = (f.get_tensor(a_key).to(torch.float32), f.get_tensor(b_key).to(torch.float32))
-    return LoraAdapter(name, spec.path, spec.rank, spec.scaling, spec.targets, weights)
+    return LoraAdapter(name, spec.path, spec.rank, spec.scaling, weights)

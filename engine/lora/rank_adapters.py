@@ -1,6 +1,7 @@
-"""A rank's side of the adapters: the slots on its model's target layers, and the loads the
-driver's plans ask for (comm.messages.LoraLoad), each read from the adapter's directory
-by every rank, which keeps only its shard."""
+"""A rank's side of the adapters: the slots on its model's target layers (and on the
+embedding and the LM head, where its stage has them), and the loads the driver's plans ask
+for (comm.messages.LoraLoad), each read from the adapter's directory by every rank, which
+keeps only its shard."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import logging
 
 import torch
 
+from meshserve.configs.adapters import VOCAB_LAYER
 from meshserve.configs.model_info import ModelInfo
 from meshserve.engine.lora.adapter import read_adapter
-from meshserve.layers.lora import LoraBatch, LoraStack
+from meshserve.layers.lora import LoraBatch, LoraPart, LoraStack
+from meshserve.layers.lora_vocab import LoraEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,8 @@ class RankAdapters:
         LoraBatch)."""
         self.info, self.max_rank = info, max_rank
         self.batch = LoraBatch(kernel)
+        self.head_batch = LoraBatch(kernel)
+        """The sampled rows' slots, which the LM head's adapters take."""
         self.layers: list[tuple[int, LoraStack]] = []
         device = next(model.parameters()).device
         for layer, linear in target_layers(model):
@@ -44,12 +49,24 @@ class RankAdapters:
             # the delta joins gate/up before the activation: the product must leave them apart
             linear.may_fuse_silu_mul = False
             self.layers.append((layer, linear.lora))
-        self.loaded: dict[int, str] = {}
-        """slot -> the adapter's name it holds (for the log)."""
+        self.embedding: LoraEmbedding | None = None
+        embed = model.model.embed_tokens
+        if embed is not None:
+            self.embedding = embed.lora = LoraEmbedding(self.batch, num_slots, max_rank, embed.vocab_start,
+                                                        info.vocab_size, embed.local_vocab_size, info.hidden_size,
+                                                        dtype, device)
+        self.head: LoraStack | None = None
+        head = model.lm_head
+        if head is not None:
+            rows = max(0, min(head.local_vocab_size, info.vocab_size - head.vocab_start))
+            self.head = head.lora = LoraStack(self.head_batch, [LoraPart("lm_head", 0, rows, head.vocab_start)], False,
+                                              num_slots, max_rank, info.hidden_size, head.local_vocab_size, dtype,
+                                              device)
 
     @property
     def num_bytes(self) -> int:
-        return sum(stack.num_bytes for _, stack in self.layers)
+        held = [stack for _, stack in self.layers] + [s for s in (self.embedding, self.head) if s is not None]
+        return sum(s.num_bytes for s in held)
 
     def load(self, slot: int, name: str, path: str) -> None:
         adapter = read_adapter(name, path, self.info, self.max_rank)
@@ -57,8 +74,12 @@ class RankAdapters:
             pairs = {part.module: adapter.weights[layer, part.module] for part in stack.parts
                      if (layer, part.module) in adapter.weights}
             stack.load(slot, pairs, adapter.scaling)
+        if self.embedding is not None:
+            self.embedding.load(slot, adapter.weights.get((VOCAB_LAYER, "embed_tokens")), adapter.scaling)
+        if self.head is not None:
+            head = adapter.weights.get((VOCAB_LAYER, "lm_head"))
+            self.head.load(slot, {} if head is None else {"lm_head": head}, adapter.scaling)
         log.info("LoRA adapter %r (rank %d) loaded into slot %d", name, adapter.rank, slot)
-        self.loaded[slot] = name
 
 
 def lora_kernel(device: torch.device, library=None):

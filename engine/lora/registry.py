@@ -22,7 +22,6 @@ from meshserve.engine.lora.slots import AdapterSlots
 class Registered:
     name: str
     path: str
-    rank: int
     key: str
     """Unique per registration: its slots' and its prefix cache's name."""
 
@@ -40,8 +39,8 @@ class LoraRegistry:
         """Serve the adapter at `path` as `name`; AdapterError says why it cannot be."""
         if name in self.adapters:
             raise AdapterError(f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path})")
-        adapter = check_adapter(name, path, self.info, self.max_rank)
-        entry = Registered(name, str(path), adapter.rank, f"{name}#{next(self._keys)}")
+        check_adapter(name, path, self.info, self.max_rank)
+        entry = Registered(name, str(path), f"{name}#{next(self._keys)}")
         self.adapters[name] = entry
         return entry
 
@@ -68,8 +67,3 @@ class LoraRegistry:
         if key in self._retired and not self.slots.users[key]:
             del self._retired[key]
             self.slots.drop(key)
-
-    def resident(self) -> list[str]:
-        """The names of the adapters in slots now."""
-        by_key = {e.key: e.name for e in [*self.adapters.values(), *self._retired.values()]}
-        return [by_key[k] for k in self.slots.resident if k in by_key]

@@ -1,6 +1,7 @@
 """LoRA adapters for the tests, made by PEFT on a base checkpoint with random LoRA weights
 of a non-trivial scale (PEFT starts B at zero, which would change nothing), and the oracle:
-the base with the adapter merged (`merge_and_unload`)."""
+the base with the adapter merged (`merge_and_unload`; a tied embedding and LM head untied
+first, since the adapter's pairs on each differ)."""
 
 from __future__ import annotations
 
@@ -50,15 +51,18 @@ def merged_model(base: Path, adapter: Path, model=None):
     from peft import PeftModel
 
     model = copy.deepcopy(model) if model is not None else base_model(base)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        model.config.tie_word_embeddings = False
     return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
 
 
 # (name, rank, alpha, seed, targets, extra PEFT options): the tests' adapters of one base
 ADAPTERS = [
-    ("a0", 8, 16.0, 1, None, {}),
+    ("a0", 8, 16.0, 1, TARGETS_ALL + ["embed_tokens"], {}),
     ("a1", 4, 8.0, 2, ["q_proj", "v_proj"], {}),
     ("a2", 8, 4.0, 3, ["o_proj", "down_proj", "gate_proj"], {"use_rslora": True}),
-    ("a3", 2, 4.0, 4, ["k_proj", "up_proj"], {}),
+    ("a3", 2, 4.0, 4, ["k_proj", "up_proj", "lm_head"], {}),
 ]
 PROMPTS = [[5, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125, 137, 149, 161, 173, 185, 197, 9, 21],
            [7, 3, 90, 11, 250, 33, 18]]

@@ -17,10 +17,6 @@ TOKENS = 8
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def adapter_overrides(lora_adapters, names=None, max_loras=4, max_rank=8):
-    return adapter_settings(lora_adapters, names, max_loras, max_rank)
-
-
 def run(engine, requests, cached=None):
     """requests: [(adapter or None, prompt)] -> each one's output tokens, all in one batch.
     `cached`: a list that gets each request's prompt tokens found in the prefix cache."""
@@ -40,7 +36,7 @@ def run(engine, requests, cached=None):
 
 def test_four_adapters_and_the_base_in_one_batch_each_match_transformers_merged(tiny_checkpoints, lora_adapters,
                                                                                 lora_expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters))
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_settings(lora_adapters))
     requests = [(name, prompt) for prompt in PROMPTS for name in [None, *lora_adapters]]
     first = run(engine, requests)
     for (name, prompt), tokens in zip(requests, first):
@@ -53,7 +49,7 @@ def test_four_adapters_and_the_base_in_one_batch_each_match_transformers_merged(
 
 
 def test_two_slots_serve_four_adapters_in_rotation(tiny_checkpoints, lora_adapters, lora_expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters, max_loras=2),
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_settings(lora_adapters, max_loras=2),
                          "scheduler.max_num_seqs=3")
     names = list(lora_adapters)
     requests = [(names[i % 4], PROMPTS[i % 2]) for i in range(10)] + [(None, PROMPTS[0])]
@@ -66,7 +62,7 @@ def test_two_slots_serve_four_adapters_in_rotation(tiny_checkpoints, lora_adapte
 
 
 def test_adapters_load_and_unload_between_requests(tiny_checkpoints, lora_adapters, lora_expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters, names=["a0"], max_loras=2))
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_settings(lora_adapters, names=["a0"], max_loras=2))
     with pytest.raises(RequestError, match="no LoRA adapter named 'a1'"):
         engine.add_request(0, "0", PROMPTS[0], GREEDY, lora="a1")
     engine.load_lora("a1", str(lora_adapters["a1"]))
@@ -83,7 +79,7 @@ def test_adapters_load_and_unload_between_requests(tiny_checkpoints, lora_adapte
 
 
 def test_an_adapter_unloaded_while_its_request_runs_finishes_it(tiny_checkpoints, lora_adapters, lora_expected):
-    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_overrides(lora_adapters, names=["a0", "a2"]))
+    engine = make_engine(tiny_checkpoints["llama-6h"], *adapter_settings(lora_adapters, names=["a0", "a2"]))
     engine.add_request(0, "0", PROMPTS[0], GREEDY, lora="a2")
     out = []
     for _ in range(3):
@@ -183,7 +179,36 @@ def test_lora_config_mistakes_fail_before_any_rank_starts(tiny_checkpoints, lora
     with pytest.raises(ConfigError, match=r"layer 0 down_proj has A \(8, 192\) and B \(96, 8\); this model needs "
                                           r"A \(8, 160\) and "
                                           r"B \(64, 8\)"):
+        check(tiny_checkpoints["llama"], *adapter_settings(lora_adapters, ["a2"]))
+    with pytest.raises(ConfigError, match=r"'a0' carries embed_tokens weights of shape \(\d+, 96\); this model's are "
+                                          r"\(\d+, 64\)"):
         check(tiny_checkpoints["llama"], *adapter_settings(lora_adapters, ["a0"]))
     assert lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == {"a": "/x", "b": "/y"}
     with pytest.raises(ConfigError, match="expected NAME=PATH"):
         lora_modules(["nopath"])
+
+
+def test_prompt_logprobs_read_each_rows_adapter_on_the_embedding_and_the_head(tiny_checkpoints, lora_adapters):
+    """The rows prompt logprobs read go through the LM head's adapter of their own request
+    (a3's), beside requests of the embedding's adapter (a0) and of none, in one batch."""
+    import torch
+
+    from support.lora import merged_model
+    from support.reference import hf_logits, hf_model
+
+    base = tiny_checkpoints["llama-6h"]
+    engine = make_engine(base, *adapter_settings(lora_adapters))
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    names = ["a3", None, "a0"]
+    for i, name in enumerate(names):
+        engine.add_request(i, str(i), PROMPTS[0], params, lora=name)
+    got = {}
+    while engine.has_work():
+        for key, delta in engine.step():
+            if delta.prompt_logprobs is not None:
+                got[key] = delta.prompt_logprobs
+    for i, name in enumerate(names):
+        model = hf_model(base) if name is None else merged_model(base, lora_adapters[name])
+        want = torch.log_softmax(hf_logits(model, PROMPTS[0]), dim=-1)
+        for pos in range(1, len(PROMPTS[0])):
+            assert got[i][pos].logprob == pytest.approx(float(want[pos - 1, PROMPTS[0][pos]]), abs=2e-3), (name, pos)
