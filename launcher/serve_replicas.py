@@ -312,27 +312,32 @@ def _drain(door: FrontDoor, keeper: ReplicaKeeper, registry: ReplicaRegistry | N
     keeper.stop_all()
 
 
+def _post_to_replicas(urls: dict[int, str | None], wanted, api_key: str | None, route: str,
+                      body: dict | None = None):
+    """POST `body` to `route` of each replica that has an HTTP URL and `wanted(r)` picks, in
+    replica order; yields the replies."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for r, url in sorted(urls.items()):
+        if url and wanted(r):
+            yield httpx.post(f"{url}{route}", headers=headers, json=body, timeout=RESET_TIMEOUT_S)
+
+
 def _change_adapter(urls: dict[int, str | None], router: Router, api_key: str | None, replica: int | None,
                     name: str, path: str | None) -> None:
     """Load (`path` set) or unload a LoRA adapter on `replica` (None: every replica up), through
     the replicas' own API; AdapterError with the first refusal's reason."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    route, body = (("load_lora_adapter", {"lora_name": name, "lora_path": path}) if path is not None
-                   else ("unload_lora_adapter", {"lora_name": name}))
-    for r, url in sorted(urls.items()):
-        if url and (r == replica if replica is not None else router.up[r]):
-            reply = httpx.post(f"{url}/v1/{route}", headers=headers, json=body, timeout=RESET_TIMEOUT_S)
-            if reply.status_code == 400:
-                raise AdapterError(reply.json().get("error", {}).get("message", reply.text))
-            reply.raise_for_status()
+    route, body = (("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}) if path is not None
+                   else ("/v1/unload_lora_adapter", {"lora_name": name}))
+    wanted = (lambda r: r == replica) if replica is not None else (lambda r: router.up[r])
+    for reply in _post_to_replicas(urls, wanted, api_key, route, body):
+        if reply.status_code == 400:
+            raise AdapterError(reply.json().get("error", {}).get("message", reply.text))
+        reply.raise_for_status()
 
 
 def _reset_prefix_caches(urls: dict[int, str | None], router: Router, api_key: str | None) -> int:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     dropped = 0
-    for r, url in sorted(urls.items()):
-        if url and router.up[r]:
-            reply = httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=RESET_TIMEOUT_S)
-            reply.raise_for_status()
-            dropped += reply.json().get("dropped_blocks", 0)
+    for reply in _post_to_replicas(urls, lambda r: router.up[r], api_key, "/reset_prefix_cache"):
+        reply.raise_for_status()
+        dropped += reply.json().get("dropped_blocks", 0)
     return dropped

@@ -137,3 +137,5 @@ def test_replicas_serve_adapters_and_the_front_door_loads_them_on_each(tmp_path,
         assert bad.status_code == 400 and "adapter_config.json is missing" in bad.text
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert 'reason="adapter"' in metrics  # a new prompt of an adapter went where the adapter was served
+        reset = httpx.post(f"{url}/reset_prefix_cache", timeout=60)  # the front door's reaches both replicas
+        assert reset.status_code == 200 and reset.json()["dropped_blocks"] > 0, reset.text
