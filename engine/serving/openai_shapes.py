@@ -253,7 +253,8 @@ class ChatShapes:
 
     def _tool_delta(self, index: int, d: Delta) -> tuple[dict[str, Any], bool]:
         """The chunk delta of a reply read for tool calls (its text held back while it may be
-        a call; a call sent whole once complete), and whether the reply called a tool."""
+        a call; a call's name once it commits, then its arguments as they are written), and
+        whether the reply called a tool. One call's fragments in one chunk go as one entry."""
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = self.tools.stream()
@@ -262,8 +263,12 @@ class ChatShapes:
         for part in parts:
             if "content" in part:
                 delta["content"] = delta.get("content", "") + part["content"]
-            if "tool_calls" in part:
-                delta.setdefault("tool_calls", []).extend(part["tool_calls"])
+            for call in part.get("tool_calls", []):
+                calls = delta.setdefault("tool_calls", [])
+                if calls and calls[-1]["index"] == call["index"]:
+                    calls[-1]["function"]["arguments"] += call["function"]["arguments"]
+                else:
+                    calls.append(call)
         return delta, stream.num_calls > 0
 
     def opening(self) -> list[dict[str, Any]]:

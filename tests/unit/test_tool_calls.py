@@ -1,6 +1,8 @@
 """OpenAI tool calling's model side (engine/serving/tools). Oracles: calls written in a
 format parse back to themselves; the streamed deltas, joined, equal parse() of the whole
-text for any split of it (one character at a time included), malformed calls included;
+text for any split of it (one character at a time included), malformed calls included; a
+call's arguments stream as the model writes them, and a call broken after it committed ends
+there;
 the prompt rendered through the real SmolLM2 chat template carries the tools, the earlier
 call and its result; any text a forced-call constraint admits parses to exactly one call
 whose arguments jsonschema (a validator nobody here wrote) accepts against the tool's
@@ -42,8 +44,14 @@ def calls_of(msg: ParsedMessage) -> list[tuple[str, object]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.tool_calls]
 
 
-def streamed(fmt, pieces: list[str]) -> tuple[str, list[tuple[str, object]], list[dict]]:
-    """(content, calls, deltas) of the stream fed `pieces`, checking the delta shapes."""
+def raw_calls(msg: ParsedMessage) -> list[tuple[str, str]]:
+    """(name, arguments as written) of each call."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in msg.tool_calls]
+
+
+def streamed(fmt, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[dict]]:
+    """(content, (name, arguments text) of each call, deltas) of the stream fed `pieces`,
+    checking the delta shapes."""
     stream, deltas = fmt.stream(), []
     for p in pieces:
         deltas += stream.feed(p)
@@ -64,14 +72,14 @@ def streamed(fmt, pieces: list[str]) -> tuple[str, list[tuple[str, object]], lis
             assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
             args[i] += tc["function"]["arguments"]
     assert stream.num_calls == len(names)
-    return content, [(names[i], json.loads(args[i])) for i in sorted(names)], deltas
+    return content, [(names[i], args[i]) for i in sorted(names)], deltas
 
 
 def assert_stream_matches_parse(fmt, text: str, pieces: list[str]) -> None:
     assert "".join(pieces) == text
     msg = fmt.parse(text)
     content, calls, _ = streamed(fmt, pieces)
-    assert content == (msg.content or "") and calls == calls_of(msg)
+    assert content == (msg.content or "") and calls == raw_calls(msg)
 
 
 # ---------------------------------------------------------------- choosing a format
@@ -107,17 +115,22 @@ HERMES_CASES = [
     ('<tool_call>{"name": "a", "parameters": {}}</tool_call>', None, [("a", {})]),
     ("plain answer with <b>tags</b> and {json}", "plain answer with <b>tags</b> and {json}", []),
 ]
-HERMES_MALFORMED = [
-    '<tool_call>{"name": "a", "arguments": {"x": }}</tool_call>',
+HERMES_REFUSED = [  # not calls: left as content
     '<tool_call>{"name": "a", "arguments": "{}"}</tool_call>',
-    '<tool_call>{"name": "a", "arguments": {}, "extra": 1}</tool_call>',
     '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
-    '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
-    '<tool_call>{"name": "a", "arguments": {}} trailing</tool_call>',
-    '<tool_call>{"name": "a", "arguments": {}}</tool_cal',
+    '<tool_call>{"name": "a", "extra": 1, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "a"}</tool_call>',
     '<tool_call>{"name": "a", "argum',
     "<tool_call>not json</tool_call>",
     '<tool_call>["a", {}]</tool_call>',
+]
+HERMES_BROKEN = [  # committed (name and the arguments' `{` seen), then broken: the call ends there
+    ('<tool_call>{"name": "a", "arguments": {"x": }}</tool_call>', None, [("a", '{"x": ')]),
+    ('<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call> after', "after", [("a", '{"x": ')]),
+    ('<tool_call>{"name": "a", "arguments": {}, "extra": 1}</tool_call>', None, [("a", "{}")]),
+    ('<tool_call>{"name": "a", "arguments": {}} trailing</tool_call>', "trailing</tool_call>", [("a", "{}")]),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_cal', None, [("a", "{}")]),
+    ('<tool_call>{"name": "a", "arguments": {"q": "cut sh', None, [("a", '{"q": "cut sh')]),
 ]
 
 
@@ -127,16 +140,22 @@ def test_hermes_parse(text, content, calls):
     assert msg.content == content and calls_of(msg) == calls
 
 
-@pytest.mark.parametrize("text", HERMES_MALFORMED)
-def test_hermes_malformed_stays_content(text):
+@pytest.mark.parametrize("text", HERMES_REFUSED)
+def test_hermes_text_that_cannot_be_a_call_stays_content(text):
     assert HERMES.parse(text) == ParsedMessage(text.strip(), [])
     assert HERMES.parse("Hi " + text + " bye").content == "Hi " + text + " bye"
 
 
-def test_hermes_keeps_the_good_calls_around_a_bad_one():
+@pytest.mark.parametrize("text, content, calls", HERMES_BROKEN)
+def test_hermes_a_call_broken_after_it_committed_ends_there(text, content, calls):
+    msg = HERMES.parse(text)
+    assert msg.content == content and raw_calls(msg) == calls
+
+
+def test_hermes_reads_the_calls_around_a_broken_one():
     bad = '<tool_call>{"name": "b", "arguments": {,}}</tool_call>'
     msg = HERMES.parse(hermes_call("a", {}) + bad + hermes_call("c", {"k": "v"}))
-    assert msg.content == bad and calls_of(msg) == [("a", {}), ("c", {"k": "v"})]
+    assert msg.content is None and raw_calls(msg) == [("a", "{}"), ("b", "{"), ("c", '{"k": "v"}')]
     # a marker inside a malformed call is scanned again
     msg = HERMES.parse('<tool_call>{"name": <tool_call>{"name": "a", "arguments": {}}</tool_call>')
     assert msg.content == '<tool_call>{"name":' and calls_of(msg) == [("a", {})]
@@ -153,7 +172,9 @@ LLAMA3_CASES = [
     ('{"name": "a", "parameters": {}} and then text', "and then text", [("a", {})]),
     ('{"name": "a", "parameters": {}}; {"name": broken', '; {"name": broken', [("a", {})]),
     ('{"answer": 42}', '{"answer": 42}', []),
-    ('{"name": "a", "parameters": {"x": 1}', '{"name": "a", "parameters": {"x": 1}', []),
+    ('{"name": "a", "parameters": {"x": 1}', None, [("a", {"x": 1})]),  # cut short after its arguments
+    ('{"name": "a", "parameters": {"x": 1]} then', "]} then", [("a", '{"x": 1')]),  # broken: the rest is text
+    ('{"parameters": {"x": 1}, "name": "a"}', None, [("a", {"x": 1})]),
     ('<|python_tag|>print("hi")', '<|python_tag|>print("hi")', []),
     ('Use {"name": "a", "parameters": {}} like this', 'Use {"name": "a", "parameters": {}} like this', []),
 ]
@@ -162,7 +183,9 @@ LLAMA3_CASES = [
 @pytest.mark.parametrize("text, content, calls", LLAMA3_CASES)
 def test_llama3_parse(text, content, calls):
     msg = LLAMA3_JSON.parse(text)
-    assert msg.content == content and calls_of(msg) == calls
+    got = [(name, args if isinstance(want, str) else json.loads(args))
+           for (name, args), (_, want) in zip(raw_calls(msg), calls)]
+    assert msg.content == content and got == calls
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -180,18 +203,26 @@ def test_rendered_calls_parse_back(fmt):
 
 # ---------------------------------------------------------------- stream
 
-def test_stream_holds_only_a_possible_marker():
+def test_stream_holds_only_a_possible_marker_and_streams_the_arguments_as_written():
     stream = HERMES.stream()
     assert stream.feed("Hello <to") == [{"content": "Hello"}]  # the space waits for text after it
     assert stream.feed("p") == [{"content": " <top"}]  # "<top" cannot start <tool_call>
     assert stream.feed(" and <tool_") == [{"content": " and"}]
-    assert stream.feed('call>\n{"name": "a", "argu') == []
-    assert stream.feed('ments": {"x": [1]}}\n</tool_') == []
-    [head], [body] = (d["tool_calls"] for d in stream.feed("call>"))
+    assert stream.feed('call>\n{"name": "a", "argu') == []  # not a call until its arguments begin
+    [head], [body] = (d["tool_calls"] for d in stream.feed('ments": {"x": [1'))
     assert head["index"] == 0 and head["function"] == {"name": "a", "arguments": ""} and CALL_ID.fullmatch(head["id"])
-    assert body == {"index": 0, "function": {"arguments": '{"x": [1]}'}}
+    assert body == {"index": 0, "function": {"arguments": '{"x": [1'}}
+    assert stream.feed(", 2]}}\n</tool_") == [{"tool_calls": [{"index": 0, "function": {"arguments": ", 2]}"}}]}]
+    assert stream.feed("call>") == []
     # the space held before the call comes out with the text after it
     assert stream.feed(" ok ") == [{"content": "  ok"}] and stream.finish() == []
+
+
+def test_arguments_written_before_the_name_stream_once_the_name_is_known():
+    stream = HERMES.stream()
+    assert stream.feed('<tool_call>{"arguments": {"x": 1}, "na') == []
+    deltas = stream.feed('me": "a"}</tool_call>')
+    assert [d["tool_calls"][0]["function"] for d in deltas] == [{"name": "a", "arguments": ""}, {"arguments": '{"x": 1}'}]
 
 
 def test_stream_gives_back_a_malformed_call_as_content():
@@ -208,7 +239,7 @@ def test_llama3_stream_waits_for_the_first_character():
     assert stream.feed(" x") == [{"content": "x"}]
 
 
-CASES = [(HERMES, t) for t, _, _ in HERMES_CASES] + [(HERMES, t) for t in HERMES_MALFORMED] + [
+CASES = [(HERMES, t) for t, _, _ in HERMES_CASES + HERMES_BROKEN] + [(HERMES, t) for t in HERMES_REFUSED] + [
     (LLAMA3_JSON, t) for t, _, _ in LLAMA3_CASES]
 
 

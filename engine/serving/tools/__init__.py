@@ -32,12 +32,14 @@ Signatures:
 A tool call dict is OpenAI's: {"id": "call_<24 hex>", "type": "function", "function":
 {"name": str, "arguments": str (JSON text of an object)}}. Text that is not a well-formed
 call stays content; `parse` and `stream` never raise, and joining a stream's deltas gives what
-`parse` gives for the whole text (however the text was split). A call is sent in two deltas
-(name, then its whole arguments) once it is complete: see the NOTE in scanners.py.
+`parse` gives for the whole text (however the text was split). A call is sent as OpenAI
+streams it: a first delta with its id and name once it is committed (call_reader.py), then
+its arguments' text in deltas as the model writes them.
 
 Files: formats.py (the two syntaxes), scanners.py (reading them incrementally),
-json_prefix.py (the JSON check the scanners use), message_shapes.py (OpenAI message and delta
-shapes), render.py (the prompt), constraints.py (forced calls), validation.py (request checks).
+call_reader.py (one call's JSON, and when it commits), json_prefix.py (the JSON check it
+uses), message_shapes.py (OpenAI message and delta shapes), render.py (the prompt),
+constraints.py (forced calls), validation.py (request checks).
 """
 
 from .constraints import ToolConstraint, forced_call

@@ -47,6 +47,21 @@ class JsonObjectScanner:
         self._escape = 0                 # 0: none; 1: after a backslash; 2..5: \\u digits left + 1
         self._token = ""                 # the number or literal being read
 
+    @property
+    def depth(self) -> int:
+        """How many objects and arrays are open."""
+        return len(self._stack)
+
+    @property
+    def string(self) -> str | None:
+        """"key" or "value" inside a string (its quotes included), else None."""
+        return self._string
+
+    @property
+    def expects_value(self) -> bool:
+        """Whether the next character other than whitespace starts a value."""
+        return self._string is None and not self._token and self._expect in ("value", "value_or_close")
+
     def feed(self, c: str) -> bool:
         if self.complete:
             return False

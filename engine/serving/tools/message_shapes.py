@@ -10,12 +10,11 @@ gets the same result by holding back whitespace until text follows it.
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from .scanners import FoundCall, Segment
+from .scanners import CallArguments, CallStart, Segment
 
 
 @dataclass
@@ -28,20 +27,18 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def arguments_text(arguments: dict[str, Any]) -> str:
-    """The JSON text OpenAI clients get in `function.arguments`."""
-    return json.dumps(arguments, ensure_ascii=False)
-
-
-def openai_call(call: FoundCall) -> dict[str, Any]:
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": call.name, "arguments": arguments_text(call.arguments)}}
-
-
 def parsed_message(segments: list[Segment]) -> ParsedMessage:
     """The message of a whole output scanned in one go."""
-    calls = [openai_call(s) for s in segments if isinstance(s, FoundCall)]
-    content = "".join(s for s in segments if isinstance(s, str)).strip()
+    calls: list[dict[str, Any]] = []
+    text = []
+    for s in segments:
+        if isinstance(s, CallStart):
+            calls.append({"id": new_call_id(), "type": "function", "function": {"name": s.name, "arguments": ""}})
+        elif isinstance(s, CallArguments):
+            calls[-1]["function"]["arguments"] += s.text
+        else:
+            text.append(s)
+    content = "".join(text).strip()
     return ParsedMessage(None if calls and not content else content, calls)
 
 
@@ -68,10 +65,11 @@ class ToolCallStream:
     """Chat-chunk `delta` fragments for one choice, fed the detokenized text as it comes.
 
     `feed(text_delta)` and `finish()` return lists of deltas: `{"content": str}` for text,
-    and for the i-th tool call `{"tool_calls": [{"index": i, "id", "type": "function",
-    "function": {"name", "arguments": ""}}]}` followed by `{"tool_calls": [{"index": i,
-    "function": {"arguments": str}}]}`. Joining the contents and, per index, the arguments
-    gives what `parse()` returns for the whole text."""
+    and for the i-th tool call, once it is committed, `{"tool_calls": [{"index": i, "id",
+    "type": "function", "function": {"name", "arguments": ""}}]}`, then `{"tool_calls":
+    [{"index": i, "function": {"arguments": str}}]}` as its arguments are written (valid JSON
+    once whole, as OpenAI's). Joining the contents and, per index, the arguments gives what
+    `parse()` returns for the whole text."""
 
     def __init__(self, scanner: Any):
         self._scanner = scanner
@@ -88,8 +86,13 @@ class ToolCallStream:
     def _deltas(self, segments: list[Segment]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for seg in segments:
-            if isinstance(seg, FoundCall):
-                out += self._call_deltas(seg)
+            if isinstance(seg, CallStart):
+                index, self.num_calls = self.num_calls, self.num_calls + 1
+                out.append({"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
+                                            "function": {"name": seg.name, "arguments": ""}}]})
+                continue
+            if isinstance(seg, CallArguments):
+                out.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": seg.text}}]})
                 continue
             text = self._text.push(seg)
             if text and out and "content" in out[-1]:
@@ -97,10 +100,3 @@ class ToolCallStream:
             elif text:
                 out.append({"content": text})
         return out
-
-    def _call_deltas(self, call: FoundCall) -> list[dict[str, Any]]:
-        index, self.num_calls = self.num_calls, self.num_calls + 1
-        head = {"index": index, "id": new_call_id(), "type": "function",
-                "function": {"name": call.name, "arguments": ""}}
-        body = {"index": index, "function": {"arguments": arguments_text(call.arguments)}}
-        return [{"tool_calls": [head]}, {"tool_calls": [body]}]

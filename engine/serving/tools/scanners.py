@@ -1,25 +1,21 @@
 """The two tool-call syntaxes, read incrementally: a scanner takes the model's text in any
-pieces and gives back, in order, plain text (str) and complete tool calls (FoundCall).
+pieces and gives back, in order, plain text (str) and tool calls as they are written: a
+call's start (CallStart, its name) once it is committed, then its arguments' text
+(CallArguments) as it comes (call_reader.py says when a call commits and how a committed
+call ends).
 
 `parse()` and the streaming parser both run a scanner, one over the whole text and one
 over the deltas, so they agree by construction as long as a scanner's decisions depend only
 on the characters, never on where the deltas split them (tests/unit/test_tool_calls.py checks
-this over random splits).
-
-NOTE: a tool call is held back until its JSON and closing marker are complete, and only then
-released. Streaming its arguments as they arrive would be faster, but a sent fragment cannot be
-taken back, and until the call closes the model can still make it malformed (a bad character,
-a missing marker, the output cut off by max_tokens), which must leave the text as content, the
-same as parse() on the whole output. Plain text is released as soon as it cannot be the start
-of a marker.
+this over random splits). Plain text is released as soon as it cannot be the start of a
+marker or of a call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from .json_prefix import JsonObjectScanner, decode_object
+from .call_reader import CallReader
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
@@ -27,23 +23,43 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
-class FoundCall:
+class CallStart:
+    """A tool call begins: its name (its arguments follow)."""
+
     name: str
-    arguments: dict[str, Any]
 
 
-Segment = str | FoundCall
+@dataclass(frozen=True)
+class CallArguments:
+    """More of the current call's arguments' text."""
+
+    text: str
 
 
-def call_from_json(value: Any, arguments_keys: tuple[str, ...]) -> FoundCall | None:
-    """A call from a decoded object with exactly a string "name" and an object under one of
-    `arguments_keys`; None for anything else (left as content by the scanners)."""
-    if not isinstance(value, dict) or len(value) != 2 or not isinstance(value.get("name"), str):
-        return None
-    args = [value[k] for k in arguments_keys if k in value]
-    if len(args) != 1 or not isinstance(args[0], dict):
-        return None
-    return FoundCall(value["name"], args[0])
+Segment = str | CallStart | CallArguments
+
+
+def _arguments(out: list[Segment], reader: CallReader) -> None:
+    """Appends what the reader has of the current call's arguments, merged into the
+    arguments just before it, if any."""
+    text = reader.take_arguments()
+    if not text:
+        return
+    if out and isinstance(out[-1], CallArguments):
+        out[-1] = CallArguments(out[-1].text + text)
+    else:
+        out.append(CallArguments(text))
+
+
+def _read(out: list[Segment], reader: CallReader, c: str) -> bool:
+    """Feeds `c` to the call; appends its start when it commits and its arguments' text."""
+    committed = reader.committed
+    if not reader.feed(c):
+        return False
+    if reader.committed and not committed:
+        out.append(CallStart(reader.name))
+    _arguments(out, reader)
+    return True
 
 
 def marker_overlap(text: str, marker: str) -> int:
@@ -75,47 +91,31 @@ class _MarkerSearch:
         return text[:len(text) - keep], None
 
 
-class _JsonCall:
-    """One tool call's JSON object, fed a character at a time."""
-
-    def __init__(self, arguments_keys: tuple[str, ...]):
-        self.keys = arguments_keys
-        self.scanner = JsonObjectScanner()
-        self._chars: list[str] = []
-
-    @property
-    def text(self) -> str:
-        """Every character fed, the refused one included."""
-        return "".join(self._chars)
-
-    def feed(self, c: str) -> FoundCall | bool:
-        """The call once the object closes; True while it may still become one; False once
-        it cannot."""
-        self._chars.append(c)
-        if not self.scanner.feed(c):
-            return False
-        if not self.scanner.complete:
-            return True
-        return call_from_json(decode_object(self.text), self.keys) or False
-
-
 class HermesScanner:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the text, with
-    whitespace inside the markers. A malformed call gives its `<tool_call>` back as text and
-    scanning resumes right after it. At the end of the output a complete JSON object whose
-    closing marker never came still counts (the model stopped right after it)."""
+    whitespace inside the markers. Text that cannot become a call gives its `<tool_call>`
+    back as text and scanning resumes right after it. A committed call whose JSON breaks
+    ends there, and the rest up to `</tool_call>` is dropped; text other than the marker
+    after a whole object ends the call and is scanned again as text."""
 
     def __init__(self, arguments_keys: tuple[str, ...] = ("arguments", "parameters")):
         self._keys = arguments_keys
         self._search = _MarkerSearch(HERMES_OPEN)
         self._body: str | None = None    # text after <tool_call>, None outside a call
-        self._call: _JsonCall | FoundCall | None = None
+        self._call: CallReader | None = None
         self._close = ""                 # the part of </tool_call> seen after the object
+        self._dropping: _MarkerSearch | None = None
+        """A broken committed call: its text up to </tool_call> is dropped."""
 
     def feed(self, text: str) -> list[Segment]:
         out: list[Segment] = []
         while text:
-            if self._body is None:
+            if self._dropping is not None:
+                _, text = self._dropping.feed(text)
+                if text is None:
+                    break
+                self._dropping = None
+            elif self._body is None:
                 plain, text = self._search.feed(text)
                 out += [plain] if plain else []
                 if text is None:
@@ -127,13 +127,12 @@ class HermesScanner:
 
     def finish(self) -> list[Segment]:
         out: list[Segment] = []
+        self._dropping = None
         while self._body is not None:
-            if isinstance(self._call, FoundCall) and not self._close:
-                out.append(self._call)
-                self._body = None
+            if self._call is not None and self._call.committed:
+                self._body = None  # cut short, or its closing marker never came: the call stands
             else:
-                body = self._give_back(out)
-                out += self.feed(body)
+                out += self.feed(self._give_back(out))
         held, self._search.held = self._search.held, ""
         return out + ([held] if held else [])
 
@@ -141,42 +140,46 @@ class HermesScanner:
         """Feeds `text` into the open call until it closes or fails; returns the text still
         to scan."""
         for i, c in enumerate(text):
-            state = self._step(c)
+            state = self._step(c, out)
             if state is True:
                 continue
             self._body += text[:i + 1]
-            if state is False:
+            committed = self._call is not None and self._call.committed
+            if state is None:  # the closing marker
+                self._body = None
+                return text[i + 1:]
+            if not committed:
                 return self._give_back(out) + text[i + 1:]
-            out.append(state)
             self._body = None
-            return text[i + 1:]
+            if self._call.complete:  # text after a whole call: text again
+                return self._close + text[i + 1:]
+            self._dropping = _MarkerSearch(HERMES_CLOSE)
+            return text[i:]
         self._body += text
         return ""
 
-    def _step(self, c: str) -> FoundCall | bool:
-        """Advances the open call by one character (see _JsonCall.feed for the result)."""
+    def _step(self, c: str, out: list[Segment]) -> bool | None:
+        """Advances the open call by one character: True while it goes on, None at the end
+        of its closing marker, False when `c` cannot follow (self._close then holds the
+        marker's part seen, `c` included)."""
         if self._call is None:
             if c.isspace():
                 return True
             if c != "{":
                 return False
-            self._call = _JsonCall(self._keys)
-        if isinstance(self._call, _JsonCall):
-            state = self._call.feed(c)
-            if isinstance(state, FoundCall):
-                self._call = state
-                return True
-            return state
+            self._call = CallReader(self._keys)
+        if not self._call.complete:
+            return _read(out, self._call, c)
         if not self._close and c.isspace():
             return True
         self._close += c
         if not HERMES_CLOSE.startswith(self._close):
             return False
-        return self._call if self._close == HERMES_CLOSE else True
+        return None if self._close == HERMES_CLOSE else True
 
     def _give_back(self, out: list[Segment]) -> str:
-        """A malformed call: its marker becomes text, and the text that followed the marker
-        is returned to be scanned again."""
+        """Not a call: its marker becomes text, and the text that followed the marker is
+        returned to be scanned again."""
         body, self._body = self._body, None
         out.append(HERMES_OPEN)
         return body
@@ -184,16 +187,17 @@ class HermesScanner:
 
 class Llama3JsonScanner:
     """Llama 3.x JSON calls: `{"name": ..., "parameters": {...}}` at the start of the output
-    or after `<|python_tag|>`, several separated by `;`. A call that fails gives its text back
-    to be scanned as text (its `<|python_tag|>` included); text after a call ends the run of
-    calls, and a later `<|python_tag|>` starts another."""
+    or after `<|python_tag|>`, several separated by `;`. Text that cannot become a call is
+    given back to be scanned as text (its `<|python_tag|>` included); a committed call whose
+    JSON breaks ends there, and the rest is text; text after a call ends the run of calls,
+    and a later `<|python_tag|>` starts another."""
 
     def __init__(self, arguments_keys: tuple[str, ...] = ("parameters", "arguments")):
         self._keys = arguments_keys
         self._search = _MarkerSearch(PYTHON_TAG)
         self._state = "start"      # start | text | calls | call | after_call
         self._held = ""            # the tag or `;` and whitespace before the next call
-        self._call: _JsonCall | None = None
+        self._call: CallReader | None = None
 
     def feed(self, text: str) -> list[Segment]:
         out: list[Segment] = []
@@ -209,12 +213,13 @@ class Llama3JsonScanner:
 
     def finish(self) -> list[Segment]:
         out: list[Segment] = []
-        while self._state == "call" or (self._state == "calls" and self._held.startswith(PYTHON_TAG)):
+        while (self._state == "call" and not self._call.committed) or (
+                self._state == "calls" and self._held.startswith(PYTHON_TAG)):
             unfinished = self._call.text if self._state == "call" else ""  # or a tag with no call after it
             again = self._give_back(out, unfinished)
             out += self.feed(again)
         held, self._search.held = self._search.held, ""
-        self._state, self._held = "text", ""  # a trailing `;` or whitespace is dropped
+        self._state, self._held, self._call = "text", "", None  # a trailing `;` or whitespace is dropped
         return out + ([held] if held else [])
 
     def _feed_chars(self, text: str, out: list[Segment]) -> str:
@@ -239,13 +244,14 @@ class Llama3JsonScanner:
                 return None
             return self._give_back(out, c)
         if state in ("start", "calls"):
-            self._call, self._state = _JsonCall(self._keys), "call"
+            self._call, self._state = CallReader(self._keys), "call"
         if self._state == "call":
-            found = self._call.feed(c)
-            if found is False:
-                return self._give_back(out, self._call.text)
-            if isinstance(found, FoundCall):
-                out.append(found)
+            if not _read(out, self._call, c):
+                if not self._call.committed:
+                    return self._give_back(out, self._call.text + c)
+                self._state, self._held, self._call = "text", "", None  # a broken call ends
+                return c
+            if self._call.complete:
                 self._state, self._held, self._call = "after_call", "", None
             return None
         if c.isspace() or c == ";":  # after_call
