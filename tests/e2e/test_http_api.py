@@ -253,6 +253,37 @@ def test_n_samples(oai, tok):
     assert texts[0] == texts[1] and texts[2] == texts[3], "greedy samples of one prompt agree"
 
 
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or
+               line.startswith(name + "{"))
+
+
+def test_chat_n_samples_count_the_prompt_once_and_share_its_blocks(oai, url):
+    """n > 1 on chat: n choices, each its own sample (seed + index), usage with the prompt
+    once and every choice's tokens; the later choices find the prompt's blocks cached."""
+    messages = [{"role": "user", "content": "Name a fruit, and say why you like it " + "very " * 40}]
+    hits_before = _metric(url, "meshserve_prefix_cache_hits_total")
+    resp = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=3, temperature=1.5, seed=3,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2] and all(c.finish_reason == "length" for c in resp.choices)
+    assert len({c.message.content for c in resp.choices}) > 1, "n samples with one seed must differ (seed + index)"
+    full_blocks = (resp.usage.prompt_tokens - 1) // 16
+    assert _metric(url, "meshserve_prefix_cache_hits_total") - hits_before >= 2 * full_blocks * 16, \
+        "choices 1 and 2 reuse the prompt's blocks that choice 0 computes"
+    one = oai.chat.completions.create(model=MODEL, messages=messages + [{"role": "assistant", "content": "x"}],
+                                      max_tokens=1)
+    assert resp.usage.completion_tokens == 18 and resp.usage.total_tokens == resp.usage.prompt_tokens + 18
+    assert 0 < resp.usage.prompt_tokens < one.usage.prompt_tokens
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert ends == {0: "length", 1: "length"}
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(2)}
+    assert texts[0] == texts[1] and texts[0], "greedy samples of one prompt agree"
+
+
 def test_logprobs(oai):
     resp = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs
