@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, StrictInt,
-                      StrictStr, field_validator, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, NonNegativeInt, PositiveFloat,
+                      PositiveInt, StrictInt, StrictStr, field_validator, model_validator)
 
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features
 from meshserve.configs.quantization import Quantization
@@ -254,6 +254,14 @@ class LoraConfig(Section):
         return adapters
 
 
+class ResponsesConfig(Section):
+    """The Responses API's stored responses (`store`, `previous_response_id`)."""
+
+    max_stored: NonNegativeInt = 1000
+    """Responses kept in memory for follow-ups (the least recently used dropped first); 0:
+    none (`store` is then false in every response)."""
+
+
 class MetricsConfig(Section):
     """`/metrics`: who may read it, and the roofline behind its MFU and MBU gauges."""
 
@@ -298,6 +306,7 @@ class ServerConfig(Section):
     """The `model` name HTTP clients use; default: the model's own name (a builtin's name, or the
     checkpoint directory's or GGUF file's name), never its local path."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     secret: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
     """Shared secret: an HMAC tag on every ZMQ frame, between clients and the server and between
     the ranks (control plane, heartbeats); across nodes the control plane and heartbeats are

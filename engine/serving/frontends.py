@@ -62,7 +62,8 @@ def build_frontends(config: Config, info: ModelInfo, memory: MemoryPlan, tokeniz
                             server.model_name or served_name(config.model.path), registry, api_key=server.api_key,
                             limits=server.http_limits, metrics_public=server.metrics.public,
                             cors_allowed_origins=server.cors_allowed_origins, grammars=grammars,
-                            adapters=dict(config.lora.adapters) if config.lora.active else None)
+                            adapters=dict(config.lora.adapters) if config.lora.active else None,
+                            max_stored_responses=server.responses.max_stored)
     except OSError:
         zmq.close()
         raise

@@ -134,6 +134,14 @@ def build_app(serving: OpenAIServing, health: Callable[[], tuple[int, dict]], mo
     async def responses(request: Request):
         return await serving.responses.create(request)
 
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str):
+        return serving.responses.retrieve(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        return serving.responses.delete(request, response_id)
+
     @app.get("/v1/models")
     async def list_models():
         return models()

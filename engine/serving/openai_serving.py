@@ -34,6 +34,7 @@ from meshserve.engine.serving.openai_protocol import (IGNORED_HEADER, MAX_N, Cha
                                                       from_request_error, ignored_fields, sample_params)
 from meshserve.engine.serving.openai_shapes import ChatShapes, ChoiceContext, CompletionShapes, LogprobFormatter
 from meshserve.engine.serving.request_body import parse_body
+from meshserve.engine.serving.response_store import ResponseStore
 from meshserve.engine.serving.responses_api import ResponsesApi
 from meshserve.engine.serving.structured_request import grammar_spec
 from meshserve.engine.serving.tokenize_api import TokenizerApi, encode_chat, template_input
@@ -51,9 +52,11 @@ class OpenAIServing:
     tokenizer APIs beside them."""
 
     def __init__(self, link: EngineLink, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 model_name: str, grammars: GrammarCompiler | None = None, adapters: ServedAdapters | None = None):
+                 model_name: str, grammars: GrammarCompiler | None = None, adapters: ServedAdapters | None = None,
+                 max_stored_responses: int = 1000):
         """`grammars`: compiles structured-output constraints (one is made if not given).
-        `adapters`: the LoRA adapters a request's `model` may name, where the server serves them."""
+        `adapters`: the LoRA adapters a request's `model` may name, where the server serves them.
+        `max_stored_responses`: the Responses API's store (server.responses.max_stored)."""
         self.link, self.tokenizer = link, tokenizer
         self.adapters = adapters
         self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name
@@ -67,7 +70,7 @@ class OpenAIServing:
         """How the model writes tool calls (engine/serving/tools), from its chat template."""
         self.tokenizer_api = TokenizerApi(tokenizer, vocab_size, max_model_len, model_name, self.in_pool,
                                           adapters.resolve if adapters is not None else None)
-        self.responses = ResponsesApi(self.start_chat, model_name, max_model_len)
+        self.responses = ResponsesApi(self.start_chat, model_name, max_model_len, ResponseStore(max_stored_responses))
 
     def close(self) -> None:
         self._pool.close()

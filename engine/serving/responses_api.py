@@ -10,7 +10,12 @@ reshaped: its text as a `message` output item of `output_text`, each tool call a
 response.output_item.added, response.output_text.delta, response.function_call_arguments.delta,
 ... response.completed), each with its sequence_number.
 
-Nothing is stored: `previous_response_id` is a 400 (send the conversation in `input`).
+Responses are stored (`store`, true unless false; response_store.py) with their
+conversation: `previous_response_id` continues it (its instructions are not carried over, as
+OpenAI's are not), and GET / DELETE /v1/responses/{id} read and remove one. `top_logprobs`
+and `include: ["message.output_text.logprobs"]` give the output text's logprobs; what is not
+honoured (`reasoning`, `truncation: auto`, other `include` values) is named in the
+ignored-fields header.
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ from pydantic import Field, ValidationError
 
 from meshserve.comm import messages as bounds
 from meshserve.engine.serving.openai_generation import EventStream, Generation, StreamError, chunks, whole
-from meshserve.engine.serving.openai_protocol import ChatCompletionRequest, OpenAIError, _Strict
+from meshserve.engine.serving.openai_protocol import IGNORED_HEADER, ChatCompletionRequest, OpenAIError, _Strict
 from meshserve.engine.serving.request_body import parse_body, validation_error
+from meshserve.engine.serving.response_store import ResponseStore, StoredResponse, owner_of
 
 StartChat = Callable[[ChatCompletionRequest, Request], Awaitable[Generation]]
 """The chat pipeline's entry for a translated request (OpenAIServing.start_chat)."""
 CHAT_NAMES = {"max_completion_tokens": "max_output_tokens"}
 """The chat parameters whose errors a Responses client knows by another name."""
+LOGPROBS = "message.output_text.logprobs"
+"""The one `include` value honoured."""
 
 
 class ResponsesRequest(_Strict):
@@ -59,7 +67,24 @@ class ResponsesRequest(_Strict):
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=bounds.MAX_LOGPROBS)] | None = None
-    """Accepted, not generated: the output items carry no logprobs."""
+
+    @property
+    def stored(self) -> bool:
+        """Whether the response is kept (OpenAI's default: yes)."""
+        return self.store is not False
+
+    @property
+    def logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS in (self.include or [])
+
+    def ignored(self) -> list[str]:
+        """The fields given that this server does not honour."""
+        out = [f"include[{value}]" for value in self.include or [] if value != LOGPROBS]
+        if self.reasoning is not None:
+            out.append("reasoning")
+        if self.truncation == "auto":
+            out.append("truncation")
+        return out
 
 
 def _bad(message: str, param: str) -> OpenAIError:
@@ -82,8 +107,8 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation as chat messages."""
-    out: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    """The input as chat messages."""
+    out: list[dict[str, Any]] = []
     if isinstance(req.input, str):
         return out + [{"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
@@ -141,12 +166,12 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": fmt.get("type")}
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that generates this response."""
-    if req.previous_response_id is not None:
-        raise _bad("previous_response_id: this server stores no responses; send the conversation in input",
-                   "previous_response_id")
-    body: dict[str, Any] = {"messages": _messages(req), "stream": req.stream}
+def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request that generates this response, and the conversation it continues
+    (`earlier`, a stored response's) with this request's input, its instructions left out."""
+    conversation = earlier + _messages(req)
+    instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: dict[str, Any] = {"messages": instructions + conversation, "stream": req.stream}
     for name, value in (("model", req.model), ("temperature", req.temperature), ("top_p", req.top_p),
                         ("seed", req.seed), ("max_completion_tokens", req.max_output_tokens),
                         ("tools", _tools(req)), ("tool_choice", _tool_choice(req.tool_choice)),
@@ -154,32 +179,77 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                         ("parallel_tool_calls", req.parallel_tool_calls)):
         if value is not None:
             body[name] = value
+    if req.logprobs:
+        body |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
     try:
-        return ChatCompletionRequest.model_validate_json(msgspec.json.encode(body))
+        return ChatCompletionRequest.model_validate_json(msgspec.json.encode(body)), conversation
     except ValidationError as e:
         raise validation_error(e) from None
 
 
-class ResponsesApi:
-    """POST /v1/responses, generated by the chat pipeline (`start_chat`)."""
+def reply_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """A response's output items as the assistant's chat message (for the stored conversation)."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                     "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return {"role": "assistant", "content": text or None} | ({"tool_calls": calls} if calls else {})
 
-    def __init__(self, start_chat: StartChat, model_name: str, max_model_len: int):
+
+class ResponsesApi:
+    """POST /v1/responses, generated by the chat pipeline (`start_chat`); GET and DELETE
+    /v1/responses/{id} on the stored ones."""
+
+    def __init__(self, start_chat: StartChat, model_name: str, max_model_len: int, store: ResponseStore):
         self.start_chat, self.model_name, self.max_model_len = start_chat, model_name, max_model_len
+        self.store = store
 
     async def create(self, raw: Request):
         req = parse_body(await raw.body(), ResponsesRequest, self.max_model_len)
-        chat = to_chat(req)
+        owner = owner_of(raw.headers.get("authorization"))
+        earlier: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            previous = self.store.get(owner, req.previous_response_id)
+            if previous is None:
+                raise OpenAIError(400, f"Previous response with id {req.previous_response_id!r} not found.",
+                                  param="previous_response_id", code="previous_response_not_found")
+            earlier = previous.conversation
+        chat, conversation = to_chat(req, earlier)
         try:
             gen = await self.start_chat(chat, raw)
         except OpenAIError as e:
             raise e.renamed(CHAT_NAMES) from None
-        shape = ResponseShape(req, self.model_name, gen.run.request_id.replace("chatcmpl-", "resp_"))
+        stored = req.stored and self.store.max_stored > 0
+        shape = ResponseShape(req, self.model_name, gen.run.request_id.replace("chatcmpl-", "resp_"), stored)
+
+        def keep(response: dict[str, Any]) -> None:
+            if stored and response["status"] != "failed":
+                self.store.put(owner, shape.id, StoredResponse(response, conversation + [
+                    reply_message(response["output"])]))
+
+        ignored = req.ignored()
+        headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
         if not req.stream:
-            return JSONResponse(shape.whole(whole(gen)))
-        return EventStream(self._events(shape, chunks(gen, "final")), gen.run.close, {})
+            response = shape.whole(whole(gen))
+            keep(response)
+            return JSONResponse(response, headers=headers)
+        return EventStream(self._events(shape, chunks(gen, "final"), keep), gen.run.close, headers)
+
+    def retrieve(self, raw: Request, response_id: str) -> JSONResponse:
+        stored = self.store.get(owner_of(raw.headers.get("authorization")), response_id)
+        if stored is None:
+            raise OpenAIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                              code="not_found")
+        return JSONResponse(stored.response)
+
+    def delete(self, raw: Request, response_id: str) -> JSONResponse:
+        if not self.store.delete(owner_of(raw.headers.get("authorization")), response_id):
+            raise OpenAIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                              code="not_found")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @staticmethod
-    async def _events(shape: "ResponseShape", batches):
+    async def _events(shape: "ResponseShape", batches, keep: Callable[[dict[str, Any]], None]):
         try:
             yield shape.sse(shape.opening())
             async for batch in batches:
@@ -189,14 +259,16 @@ class ResponsesApi:
         except StreamError as e:
             yield shape.sse([{"type": "error", "code": e.error.code, "message": e.error.message, "param": None}])
             return
-        yield shape.sse(shape.closing())
+        closing = shape.closing()
+        keep(closing[-1]["response"])
+        yield shape.sse(closing)
 
 
 class ResponseShape:
     """The Response object and its stream events, built from chat's shapes."""
 
-    def __init__(self, req: ResponsesRequest, model: str, response_id: str):
-        self.req, self.model, self.id = req, model, response_id
+    def __init__(self, req: ResponsesRequest, model: str, response_id: str, stored: bool = False):
+        self.req, self.model, self.id, self.stored = req, model, response_id, stored
         self.created = int(time.time())
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
@@ -213,8 +285,8 @@ class ResponseShape:
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "temperature": req.temperature, "top_p": req.top_p, "tool_choice": req.tool_choice or "auto",
-                "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": False,
-                "previous_response_id": None, "reasoning": None, "truncation": req.truncation or "disabled",
+                "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": self.stored,
+                "previous_response_id": req.previous_response_id, "top_logprobs": req.top_logprobs, "reasoning": None, "truncation": req.truncation or "disabled",
                 "user": req.user, "usage": usage}
 
     @staticmethod
@@ -227,9 +299,9 @@ class ResponseShape:
                 "total_tokens": chat_usage["total_tokens"]}
 
     @staticmethod
-    def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    def _message_item(text: str, status: str = "completed", logprobs: list | None = None) -> dict[str, Any]:
         return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
     @staticmethod
     def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -240,7 +312,8 @@ class ResponseShape:
         """The Response of a whole chat completion."""
         choice = chat["choices"][0]
         message = choice["message"]
-        output = [self._message_item(message["content"])] if message.get("content") else []
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        output = [self._message_item(message["content"], logprobs=logprobs)] if message.get("content") else []
         output += [self._call_item(c) for c in message.get("tool_calls") or []]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         return self.response(status, output, self._usage(chat["usage"]))
@@ -270,13 +343,13 @@ class ResponseShape:
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
             for call in delta.get("tool_calls") or []:
                 events += self._call(call)
             self.finish = choice.get("finish_reason") or self.finish
         return events
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = []
         if self.text_item is None:
             self.text_item = self._message_item("", "in_progress")
@@ -287,9 +360,10 @@ class ResponseShape:
             events.append(self._event("response.content_part.added", item_id=self.text_item["id"], output_index=index,
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         self.text_item["content"][0]["text"] += text
+        self.text_item["content"][0]["logprobs"] += logprobs
         return events + [self._event("response.output_text.delta", item_id=self.text_item["id"],
                                      output_index=self.items.index(self.text_item), content_index=0, delta=text,
-                                     logprobs=[])]
+                                     logprobs=logprobs)]
 
     def _call(self, fragment: dict[str, Any]) -> list[dict[str, Any]]:
         function = fragment.get("function") or {}
@@ -314,7 +388,7 @@ class ResponseShape:
             if item["type"] == "message":
                 part = item["content"][0]
                 events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=part["text"], logprobs=[]))
+                                          content_index=0, text=part["text"], logprobs=part["logprobs"]))
                 events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                           content_index=0, part=part))
             else:

@@ -279,6 +279,51 @@ def test_responses_api_streaming_events(oai):
     assert whole.output_text == text
 
 
+def test_responses_api_continues_a_stored_response_and_gives_logprobs(oai, url):
+    """store / previous_response_id: the follow-up is the chat of the whole conversation (its
+    instructions its own), its prompt found in the prefix cache; retrieve and delete; a
+    response stored under one API key is not found under another; store=false keeps nothing;
+    include/top_logprobs give the output's logprobs; unhonoured fields are named."""
+    model = "smollm2-135m-instruct"
+    first = oai.responses.create(model=model, input="My name is Ada.", instructions="Be brief.", max_output_tokens=8,
+                                 temperature=0)
+    assert first.store is True and first.output_text
+    follow = oai.responses.create(model=model, previous_response_id=first.id, input="What is my name?",
+                                  instructions="Be brief.", max_output_tokens=8, temperature=0)
+    assert follow.previous_response_id == first.id
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "My name is Ada."},
+                    {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "What is my name?"}]
+    assert follow.output_text == chat(oai, conversation, max_tokens=8, temperature=0).choices[0].message.content
+    assert follow.usage.input_tokens_details.cached_tokens >= 16, "the conversation's start is cached"
+    with oai.responses.stream(model=model, previous_response_id=follow.id, input="And again?", max_output_tokens=4,
+                              temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert oai.responses.retrieve(streamed.id).output_text == streamed.output_text
+    assert oai.responses.retrieve(first.id).output_text == first.output_text
+    with httpx.Client(base_url=url, timeout=TIMEOUT, headers={"Authorization": "Bearer someone-else"}) as other:
+        assert other.get(f"/v1/responses/{first.id}").status_code == 404
+    oai.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        oai.responses.create(model=model, previous_response_id=first.id, input="hi", max_output_tokens=2)
+    unstored = oai.responses.create(model=model, input="hi", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=model, previous_response_id=unstored.id, input="hi", max_output_tokens=2)
+    scored = oai.responses.create(model=model, input="Count to three.", include=["message.output_text.logprobs"],
+                                  top_logprobs=2, max_output_tokens=5, temperature=0)
+    part = scored.output[0].content[0]
+    assert len(part.logprobs) == scored.usage.output_tokens == 5
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.logprob - 1e-4 for lp in part.logprobs)
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "reasoning": {"effort": "low"},
+                                             "include": ["reasoning.encrypted_content"]})
+        assert r.status_code == 200 and r.headers["x-meshserve-ignored-fields"] == (
+            "include[reasoning.encrypted_content], reasoning")
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
