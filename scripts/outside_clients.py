@@ -5,7 +5,8 @@ requests succeeded by its own count, and its own summary line. Writes
 results/outside_clients.json.
 
     python scripts/outside_clients.py --guidellm ~/venv-guidellm --aiperf ~/venv-aiperf \\
-        --langchain ~/venv-langchain --vllm ~/venv-vllm --agents ~/venv-agents [--openai ~/venv-openai]
+        --langchain ~/venv-langchain --vllm ~/venv-vllm --agents ~/venv-agents [--openai ~/venv-openai] \
+        --anthropic ~/venv-anthropic
 
 Structured outputs and tool calling are checked one by one, each by the client's own
 behaviour (no exception, the parsed object validates, the framework ran the tool):
@@ -17,7 +18,9 @@ behaviour (no exception, the parsed object validates, the framework ran the tool
   and the tool's result sent back; LangGraph's `create_react_agent` where that venv has it;
 - openai-agents (--agents): an agent that must call a tool first (tool_choice="required",
   reset after the call) and then answers, plain and streamed, a structured final output,
-  and the same loop over the Responses API.
+  and the same loop over the Responses API;
+- anthropic (--anthropic): an agent loop over the Messages API (/v1/messages), whole and
+  streamed: a forced tool_use, the tool run, its tool_result sent back, the answer.
 
 A client whose virtual environment is not given is skipped (and said so). The server runs the
 default model; the clients that count tokens get its tokenizer as a Hugging Face directory.
@@ -174,7 +177,7 @@ def print_result(name: str, r: dict) -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name in ("guidellm", "aiperf", "langchain", "vllm", "agents", "openai"):
+    for name in ("guidellm", "aiperf", "langchain", "vllm", "agents", "openai", "anthropic"):
         ap.add_argument(f"--{name}", type=Path, default=None, metavar="VENV", help=f"the virtual environment of {name}")
     ap.add_argument("--vllm-cli", type=Path, default=Path(__file__).resolve().parent / "peers" / "vllm_cli.py",
                     help="the `vllm` command, run by the --vllm venv's python")
@@ -196,6 +199,7 @@ def run_clients(args: argparse.Namespace, url: str, tokenizer: Path, work: Path)
                                     lambda v: checks("openai", v, url, work)),
         "langchain structured+tools": (args.langchain, lambda v: checks("langchain", v, url, work)),
         "openai-agents": (args.agents, lambda v: checks("agents", v, url, work)),
+        "anthropic messages": (args.anthropic, lambda v: checks("anthropic", v, url, work)),
     }
     return {name: client(venv) if venv is not None else {"skipped": "no virtual environment given"}
             for name, (venv, client) in clients.items()}

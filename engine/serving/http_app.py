@@ -25,8 +25,8 @@ from meshserve.engine.serving.tokenize_api import meshserve_version
 
 log = logging.getLogger("meshserve.engine.serving.http_frontend")
 
-COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
-                 "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
+                 "/metrics", "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
                  "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
@@ -54,7 +54,10 @@ class CountingApp:
         self._api_key = None if api_key is None else api_key.encode()
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI's clients), or `x-api-key: KEY` (Anthropic's)."""
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        if b"x-api-key" in headers:
+            return hmac.compare_digest(headers[b"x-api-key"].strip(), self._api_key)
         return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._api_key)
 
     async def __call__(self, scope, receive, send):
@@ -133,6 +136,10 @@ def build_app(serving: OpenAIServing, health: Callable[[], tuple[int, dict]], mo
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await serving.responses.create(request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await serving.messages.create(request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str):

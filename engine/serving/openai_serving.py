@@ -34,6 +34,7 @@ from meshserve.engine.serving.openai_protocol import (IGNORED_HEADER, MAX_N, Cha
                                                       from_request_error, ignored_fields, sample_params)
 from meshserve.engine.serving.openai_shapes import ChatShapes, ChoiceContext, CompletionShapes, LogprobFormatter
 from meshserve.engine.serving.request_body import parse_body
+from meshserve.engine.serving.messages_api import MessagesApi
 from meshserve.engine.serving.response_store import ResponseStore
 from meshserve.engine.serving.responses_api import ResponsesApi
 from meshserve.engine.serving.structured_request import grammar_spec
@@ -48,8 +49,8 @@ log = logging.getLogger(__name__)
 
 
 class OpenAIServing:
-    """The completions and chat pipelines of one served model, and the Responses and
-    tokenizer APIs beside them."""
+    """The completions and chat pipelines of one served model, and the Responses, Messages
+    and tokenizer APIs beside them."""
 
     def __init__(self, link: EngineLink, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  model_name: str, grammars: GrammarCompiler | None = None, adapters: ServedAdapters | None = None,
@@ -71,6 +72,7 @@ class OpenAIServing:
         self.tokenizer_api = TokenizerApi(tokenizer, vocab_size, max_model_len, model_name, self.in_pool,
                                           adapters.resolve if adapters is not None else None)
         self.responses = ResponsesApi(self.start_chat, model_name, max_model_len, ResponseStore(max_stored_responses))
+        self.messages = MessagesApi(self.start_chat, model_name, max_model_len)
 
     def close(self) -> None:
         self._pool.close()

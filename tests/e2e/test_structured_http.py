@@ -2,8 +2,10 @@
 `meshserve serve` (built-in SmolLM2, one CPU rank), driven by the real `openai` package:
 response_format (json_schema strict, json_object), vLLM's structured_outputs and guided_*,
 tools with tool_choice auto / required / named, whole and streamed (the deltas reassembled),
-tool results in the conversation, prompt_logprobs and echo with logprobs; bad input is a 400
-naming the parameter and the server keeps serving.
+tool results in the conversation, prompt_logprobs and echo with logprobs; the Responses API
+(stored responses continued); Anthropic's Messages API through the real `anthropic` client
+(text, stop sequences, tools and tool results, streamed events, an agent loop); bad input is
+a 400 naming the parameter and the server keeps serving.
 
 Oracles: jsonschema (a validator nobody here wrote) for every structured output and every
 forced call's arguments; transformers' log-softmax for prompt logprobs; the same server's
@@ -336,3 +338,79 @@ def test_responses_api_bad_input(url, body, param):
         r = http.post("/v1/responses", json=body | {"max_output_tokens": 2})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------- Anthropic's Messages API
+
+@pytest.fixture(scope="module")
+def claude(url):
+    import anthropic
+
+    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+        yield c
+
+
+GREEDY = {"temperature": 0}
+"""Sent as extra fields: this anthropic client has no temperature argument any more."""
+TOOL = {"name": "get_weather", "description": "The current weather in a city.",
+        "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_messages_api_text_and_stop_sequences_match_chat(oai, claude):
+    system, ask = "Be brief.", [{"role": "user", "content": "Say hello to the world."}]
+    reply = claude.messages.create(model="smollm2-135m-instruct", max_tokens=16, system=system, messages=ask,
+                                   extra_body=GREEDY)
+    expected = chat(oai, [{"role": "system", "content": system}] + ask, max_tokens=16, extra_body=GREEDY).choices[0]
+    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == expected.message.content
+    assert reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[expected.finish_reason]
+    assert reply.usage.output_tokens == 16 or reply.stop_reason == "end_turn"
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) > 5
+    word = reply.content[0].text.split()[1]
+    stopped = claude.messages.create(model="smollm2-135m-instruct", max_tokens=16, system=system, messages=ask,
+                                     stop_sequences=[word], extra_body=GREEDY)
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+    assert reply.content[0].text.startswith(stopped.content[0].text) and word not in stopped.content[0].text
+    with claude.messages.stream(model="smollm2-135m-instruct", max_tokens=16, system=system, messages=ask,
+                                extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == reply.content[0].text == final.content[0].text and final.stop_reason == reply.stop_reason
+
+
+def test_messages_api_tools_streamed_and_an_agent_loop(claude):
+    """A forced tool_use, whole and streamed (its input_json_delta events as the model writes
+    them, reassembled by the client into the same input), then the agent loop's next turn
+    with the tool_result."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="smollm2-135m-instruct", max_tokens=120, tools=[TOOL], extra_body=GREEDY)
+    reply = claude.messages.create(messages=ask, tool_choice={"type": "tool", "name": "get_weather"}, **kw)
+    [use] = [b for b in reply.content if b.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, TOOL["input_schema"])
+    deltas = 0
+    with claude.messages.stream(messages=ask, tool_choice={"type": "tool", "name": "get_weather"}, **kw) as stream:
+        for event in stream:
+            deltas += event.type == "content_block_delta" and event.delta.type == "input_json_delta"
+        final = stream.get_final_message()
+    [streamed] = [b for b in final.content if b.type == "tool_use"]
+    assert deltas > 3 and streamed.input == use.input and final.stop_reason == "tool_use"
+    turn = ask + [{"role": "assistant", "content": reply.content},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": '{"temperature": 21, "sky": "clear"}'}]}]
+    answer = claude.messages.create(messages=turn, **kw)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.content
+
+
+def test_messages_api_bad_input_is_an_anthropic_error_and_the_server_keeps_serving(url, claude):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="smollm2-135m-instruct", max_tokens=4,
+                               messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/messages", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    ok = claude.messages.create(model="smollm2-135m-instruct", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert ok.usage.output_tokens <= 2
