@@ -460,3 +460,18 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(oai, tok):
     chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
                                        extra_body={"truncate_prompt_tokens": keep})
     assert chat.usage.prompt_tokens == keep
+
+
+def test_the_messages_api_takes_the_key_as_anthropic_clients_send_it(url):
+    """Anthropic's clients send `x-api-key`, not a bearer token: either is the key; a wrong
+    one, or none, is a 401."""
+    import anthropic
+
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    with anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0, timeout=TIMEOUT) as claude:
+        assert claude.messages.create(**body).usage.output_tokens == 1
+    with anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0, timeout=TIMEOUT) as claude:
+        with pytest.raises(anthropic.AuthenticationError):
+            claude.messages.create(**body)
+    assert httpx.post(f"{url}/v1/messages", json=body, timeout=30).status_code == 401
+    assert httpx.post(f"{url}/v1/messages", json=body, headers=AUTH, timeout=30).status_code == 200
