@@ -13,12 +13,13 @@ import msgspec
 
 from meshserve.comm.messages import GenerateRequest, SamplingParams, StructuredOutputs
 
-PARAMS = (*SamplingParams.__struct_fields__, "cache_salt", "structured_outputs", "lora")
+PARAMS = (*SamplingParams.__struct_fields__, "cache_salt", "structured_outputs", "lora", "priority")
 """The keywords `generate` takes beyond the prompt: SamplingParams' fields (max_tokens,
 temperature, top_p, top_k, seed, stop, ...), cache_salt (the request shares cached KV blocks
 only with requests of the same salt), structured_outputs (a StructuredOutputs, or a dict
-of its fields: json, regex, choice, grammar or json_object) and lora (the name of the LoRA
-adapter to run with)."""
+of its fields: json, regex, choice, grammar or json_object), lora (the name of the LoRA
+adapter to run with) and priority (an integer, lower first, on a server started with
+scheduler.policy=priority)."""
 
 _PATH = re.compile(r" - at `\$\.(\w+)[^`]*`$")
 
@@ -38,6 +39,9 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
     lora = params.pop("lora", None)
     if lora is not None and not (isinstance(lora, str) and 1 <= len(lora) <= 128):
         raise ValueError(f"{caller}(): lora: an adapter's name, a string of 1 to 128 characters, got {lora!r:.80}")
+    priority = params.pop("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(1 << 31) <= priority < 1 << 31:
+        raise ValueError(f"{caller}(): priority: an integer (32-bit), got {priority!r:.80}")
     structured = params.pop("structured_outputs", None)
     if isinstance(structured, dict):
         try:
@@ -57,9 +61,9 @@ def make_request(caller: str, prompt: str | Sequence[int], *, request_id: str | 
     rid = request_id or uuid.uuid4().hex
     if isinstance(prompt, str):
         return GenerateRequest(rid, prompt=prompt, params=sampling, stream=stream, cache_salt=salt,
-                               structured_outputs=structured, lora=lora)
+                               structured_outputs=structured, lora=lora, priority=priority)
     if not isinstance(prompt, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise TypeError(f"{caller}(): the prompt is a string or a sequence of token ids (ints), "
                         f"got {type(prompt).__name__}")
     return GenerateRequest(rid, prompt_token_ids=list(prompt), params=sampling, stream=stream, cache_salt=salt,
-                           structured_outputs=structured, lora=lora)
+                           structured_outputs=structured, lora=lora, priority=priority)

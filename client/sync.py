@@ -35,7 +35,7 @@ class Client:
                  request_id: str | None = None, **params) -> Completion | Iterator[Delta]:
         """Generate from a text prompt or token ids. `params`: SamplingParams' fields
         (max_tokens, temperature, top_p, top_k, seed, stop, ...), cache_salt,
-        structured_outputs and lora (client/request.py). stream=False returns a Completion; stream=True an iterator of
+        structured_outputs, lora and priority (client/request.py). stream=False returns a Completion; stream=True an iterator of
         Deltas, the last with finish_reason and usage. Raises MeshserveError on an error
         reply, ServerUnreachable when no server is connected within connect_timeout, and
         RequestTimeout (after aborting) when the server stays silent."""

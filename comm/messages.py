@@ -197,6 +197,8 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     """Migration: the output so far of a stream another replica started (the front door sets it)."""
     lora: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
     """The LoRA adapter the request runs with (its name as the server serves it); None: the base model."""
+    priority: Annotated[int, Meta(ge=-(1 << 31), lt=1 << 31)] = 0
+    """Its rank under scheduler.policy priority (lower first, as vLLM's); fcfs takes only 0."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):

@@ -174,6 +174,14 @@ class SchedulerConfig(Section):
     same tokens either way. One pipeline stage, no context or expert parallelism, no
     disaggregation. `auto`: on CUDA; off on the CPU, where the host work and the kernels
     share the cores and each token reaches its client one step later (README measures it)."""
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    """`fcfs`: first come, first served. `priority`: by each request's `priority` (an integer,
+    lower first, as vLLM's --scheduling-policy priority), aged by its wait (priority_aging);
+    a waiting request of a better rank preempts running ones when it finds no room."""
+    priority_aging: PositiveFloat = 10.0
+    """`priority`: seconds a waiting request waits to gain one level, which bounds starvation:
+    a request is never overtaken by one that arrived more than (the difference of their
+    priorities) x priority_aging seconds after it."""
     max_waiting: PositiveInt = 4096
     """Most requests queued before admission refuses new ones."""
     max_waiting_tokens: PositiveInt = 1 << 20

@@ -116,7 +116,8 @@ class Engine:
         cache_kind = f"{memory.dtype}/{memory.kv_dtype}/{memory.quantization}"
         blocks = BlockManager(memory.num_blocks, memory.block_size, cp_size, prefix_caching, cache_kind)
         self.loras = loras
-        self.scheduler = Scheduler(blocks, scheduler.max_num_seqs, scheduler.max_batched_tokens, loras)
+        self.scheduler = Scheduler(blocks, scheduler.max_num_seqs, scheduler.max_batched_tokens, loras,
+                                   scheduler.priority_aging if scheduler.policy == "priority" else None)
         self.plans = PlanBuilder()
         self.handoffs = Handoffs(role, memory.block_size)
         self._events: list[tuple[Hashable, object]] = []
@@ -140,14 +141,19 @@ class Engine:
 
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stream: bool = True, cache_salt: str | None = None, grammar: Grammar | None = None,
-                    handoff: KvHandoff | None = None, resume: Resume | None = None, lora: str | None = None) -> None:
+                    handoff: KvHandoff | None = None, resume: Resume | None = None, lora: str | None = None,
+                    priority: int = 0) -> None:
         """Queue a validated request. `key` is unique among live requests. `cache_salt`: the
         request shares cached KV blocks only with requests of the same salt. `grammar`: the
         compiled constraint its output follows (engine/structured.py). `handoff`: this
         replica's part of a request two replicas serve (engine/handoff.py). `resume`: the
         output so far of a stream another replica started (migration). `lora`: the name of the
-        adapter it runs with (None: the base model)."""
+        adapter it runs with (None: the base model). `priority`: its rank under
+        scheduler.policy priority (lower first); under fcfs only 0 is taken."""
         self.handoffs.check(handoff)
+        if priority and self.scheduler.priority_aging is None:
+            raise RequestError("bad_request", f"priority={priority}: this server schedules first come, first served; "
+                                              f"start it with scheduler.policy=priority", "priority")
         adapter = self._adapter(lora)
         if resume is not None and handoff is not None:
             raise RequestError("bad_request", "a resumed request is served whole, without a handoff", "handoff")
@@ -166,7 +172,7 @@ class Engine:
             raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
         output_ids = list(resume.token_ids) if resume is not None else []
         seq = Sequence(self._next_seq_id, key, list(prompt_ids) + output_ids, len(prompt_ids), params,
-                       cache_salt=cache_salt, handoff=handoff, lora=adapter)
+                       cache_salt=cache_salt, handoff=handoff, lora=adapter, priority=priority)
         self._next_seq_id += 1
         if grammar is not None:
             self.guided.add(seq.seq_id, grammar)

@@ -4,11 +4,21 @@ There is no prefill phase: each step gives every scheduled sequence a number of 
 tokens to compute (its whole uncomputed tail, or a chunk of it when the token budget
 runs short), so chunked prefill and mixed prefill + decode steps need no special path.
 
-Order is first-come first-served: running sequences first, in admission order, then
-waiting ones. A waiting sequence starts from the longest prefix of its blocks found in the
-prefix cache (meshserve.engine.block_manager), which costs no token budget. When blocks run out, the most recently admitted running sequence is
-preempted by recompute: its blocks are freed and it returns to the front of the
-waiting queue with its tokens kept, to be prefilled again later.
+Order is first-come first-served (scheduler.policy fcfs): running sequences first, in
+admission order, then waiting ones. A waiting sequence starts from the longest prefix of its
+blocks found in the prefix cache (meshserve.engine.block_manager), which costs no token
+budget. When blocks run out, the most recently admitted running sequence is preempted by
+recompute: its blocks are freed and it returns to the front of the waiting queue with its
+tokens kept, to be prefilled again later.
+
+With scheduler.policy priority, the waiting queue is ordered by each request's `priority`
+(lower first, as vLLM's) aged by its wait: a request gains one level per
+scheduler.priority_aging seconds waited, so its rank is priority + arrival / aging, fixed
+once it arrives. That bounds starvation: a request is never overtaken, nor preempted, by one
+that arrived more than (its priority - the other's) x priority_aging seconds after it. When
+the best waiting request cannot be admitted (no blocks, or max_num_seqs running), running
+requests of a worse rank are preempted for it, the worst first; a preempted request waits
+in its own place in that order.
 
 Disaggregated decode (meshserve.engine.handoff): a request whose prompt another replica
 computes is admitted as any other, in order, but computes nothing: its blocks are reserved
@@ -52,10 +62,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int,
-                 loras: LoraRegistry | None = None):
+                 loras: LoraRegistry | None = None, priority_aging: float | None = None):
         """`loras`: the adapters served and their slots; a sequence takes its adapter's slot
-        when admitted, and waits, in order, while every slot holds an adapter in use."""
+        when admitted, and waits, in order, while every slot holds an adapter in use.
+        `priority_aging`: the priority policy's seconds per level of aging (None: fcfs)."""
         self.blocks = block_manager
+        self.priority_aging = priority_aging
         self.loras = loras
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -64,10 +76,26 @@ class Scheduler:
         self.receiving: list[Sequence] = []
         """Disaggregated decode: admitted, their KV on its way from a prefill replica."""
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0
+        """Of those, the preemptions that made room for a request of a better rank."""
+
+    def rank(self, seq: Sequence) -> tuple[float, int]:
+        """The priority policy's order (lower first): priority aged by arrival, then arrival."""
+        return seq.priority + seq.arrival_time / self.priority_aging, seq.seq_id
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: at its rank (priority policy), else at the back (a new
+        request) or the front (a preempted one)."""
+        if self.priority_aging is None:
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        rank = self.rank(seq)
+        at = next((i for i, other in enumerate(self.waiting) if self.rank(other) > rank), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,6 +109,10 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_batched_tokens
         cap = max_seqs or self.max_num_seqs
+        if self.priority_aging is not None:
+            self._make_room(busy, batch)
+        short = False
+        """Blocks ran out for a running sequence this step."""
         for seq in list(self.running):
             if budget <= 0 or len(batch) >= cap:
                 break
@@ -97,6 +129,7 @@ class Scheduler:
                 self.running.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
+                short = True
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING and self.blocks.can_grow(seq, n):
@@ -104,10 +137,12 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new.append(n)
                 budget -= n
-        # Admit only when nothing was preempted: memory is short this step.
-        while (not batch.preempted and self.waiting and budget > 0 and len(batch) < cap
+        # Admit only when no running sequence was preempted for blocks: memory is short this step.
+        while (not short and self.waiting and budget > 0 and len(batch) < cap
                and len(self.running) + len(self.receiving) < self.max_num_seqs):
             seq = self.waiting[0]
+            if any(seq is p for p in batch.preempted):
+                break  # preempted this step to make room: not back in the same step
             if seq.handoff is not None and seq.handoff.role == ReplicaRole.DECODE and seq.num_preemptions == 0:
                 if not self._reserve(seq):
                     break
@@ -163,12 +198,35 @@ class Scheduler:
         self.running.append(seq)
 
     def _victim(self, busy: frozenset[int], batch: ScheduledBatch) -> Sequence | None:
-        """The most recently admitted running sequence that is neither in flight nor
-        already in this batch."""
-        for seq in reversed(self.running):
-            if seq.seq_id not in busy and not any(s is seq for s in batch.seqs):
-                return seq
-        return None
+        """The running sequence to preempt for blocks, neither in flight nor already in this
+        batch: the most recently admitted (fcfs), or the one of the worst rank (priority)."""
+        free = [s for s in self.running if s.seq_id not in busy and not any(b is s for b in batch.seqs)]
+        if not free:
+            return None
+        return free[-1] if self.priority_aging is None else max(free, key=self.rank)
+
+    def _make_room(self, busy: frozenset[int], batch: ScheduledBatch) -> None:
+        """Priority: while the best waiting sequence cannot be admitted, preempt the running
+        sequence of the worst rank, if that rank is worse than its."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            if head.handoff is not None or self._fits(head):
+                return
+            victim = self._victim(busy, batch)
+            if victim is None or self.rank(victim) <= self.rank(head):
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            self.num_priority_preemptions += 1
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether waiting `seq` has a seat and the blocks of its first chunk now."""
+        if len(self.running) + len(self.receiving) >= self.max_num_seqs:
+            return False
+        cached = self.blocks.match(seq) if seq.params.prompt_logprobs is None else []
+        n = min(seq.num_tokens - len(cached) * self.blocks.unit, self.max_batched_tokens)
+        return self.blocks.can_admit(seq, cached, n)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
@@ -176,7 +234,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def launched(self, batch: ScheduledBatch) -> None:
         """A step was submitted: its known tokens count as computed from now on (drafts

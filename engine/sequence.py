@@ -39,6 +39,8 @@ class Sequence:
     sent_tokens: int = 0
     sent_blocks: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    """Its request's priority (lower first) under scheduler.policy priority."""
     # Prefix caching (meshserve.engine.block_manager)
     cache_salt: str | None = None
     """Requests share cached blocks only with requests of the same salt (None: unsalted)."""

@@ -43,6 +43,8 @@ class AddCommand:
     """Migration: the output so far of a stream another replica started."""
     lora: str | None = None
     """The LoRA adapter it runs with (its name); None: the base model."""
+    priority: int = 0
+    """Its rank under scheduler.policy priority (lower first)."""
 
 
 @dataclass(frozen=True)

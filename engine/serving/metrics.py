@@ -84,6 +84,11 @@ class _Times:
     last_token: float | None = None
 
 
+def _priority_label(priority: int) -> str:
+    """A bounded label: a client may send any 32-bit priority."""
+    return str(priority) if -16 <= priority <= 16 else "other"
+
+
 class EngineMetrics:
     """The Prometheus side of one server. Implements the engine's EngineObserver."""
 
@@ -167,8 +172,16 @@ class EngineMetrics:
                                 registry=r)
         self.lora_evictions = Gauge(PREFIX + "lora_adapter_evictions", "LoRA adapters evicted from their slot (least "
                                     "recently used, unused) since the start", registry=r)
+        self.priority_requests = Counter(PREFIX + "priority_requests", "Requests finished, by priority (scheduler."
+                                         "policy priority; beyond +-16: 'other')", ["priority"], registry=r)
+        self.priority_ttft = Histogram(PREFIX + "priority_time_to_first_token_seconds", "Arrival to first token, by "
+                                       "priority (scheduler.policy priority)", ["priority"], registry=r,
+                                       buckets=TTFT_BUCKETS)
+        self.priority_preemptions = Gauge(PREFIX + "priority_preemptions", "Running requests preempted for a waiting "
+                                          "one of a better rank since the start", registry=r)
         self._cost: ModelCost | None = None
         self._roofline: Roofline | None = None
+        self._by_priority = False
         self._times: dict[int, _Times] = {}
         self._engine: Engine | None = None
         self._ranks_read = 0.0
@@ -194,6 +207,9 @@ class EngineMetrics:
             self.lora_resident.set_function(lambda: len(loras.slots.resident))
             self.lora_loads.set_function(lambda: loras.slots.loads)
             self.lora_evictions.set_function(lambda: loras.slots.evictions)
+        self._by_priority = sched.priority_aging is not None
+        if self._by_priority:
+            self.priority_preemptions.set_function(lambda: sched.num_priority_preemptions)
         if engine.speculator is not None:
             stats = engine.speculator.stats
             self.spec_acceptance.set_function(lambda: stats.acceptance_rate)
@@ -229,6 +245,8 @@ class EngineMetrics:
         if t.first_token is None:
             t.first_token = now
             self.ttft.observe(now - t.arrival)
+            if self._by_priority:
+                self.priority_ttft.labels(_priority_label(seq.priority)).observe(now - t.arrival)
         else:
             self.itl.observe(now - t.last_token)
         t.last_token = now
@@ -249,6 +267,8 @@ class EngineMetrics:
         self.finished.labels(reason).inc()
         if state.seq.lora is not None:
             self.lora_requests.labels(state.seq.lora.name).inc()
+        if self._by_priority:
+            self.priority_requests.labels(_priority_label(state.seq.priority)).inc()
         if t is None or reason == "abort":
             return
         self.e2e.observe(time.monotonic() - t.arrival)

@@ -68,11 +68,12 @@ class Samples:
         self._closed = False
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, cache_salt: str | None,
-               grammar: Grammar | None = None, lora: str | None = None) -> None:
+               grammar: Grammar | None = None, lora: str | None = None, priority: int = 0) -> None:
         index = len(self.keys)
         key = RequestKey(self.link.tag, self.request_id, f"{self.request_id}-{index}")
         self.keys.append(key)
-        self.link.submit(AddCommand(key, key.request_id, prompt_ids, params, stream, cache_salt, grammar, lora=lora),
+        self.link.submit(AddCommand(key, key.request_id, prompt_ids, params, stream, cache_salt, grammar, lora=lora,
+                                    priority=priority),
                          self.queue, index)
 
     def done(self, index: int, msg: Any) -> bool:

@@ -200,6 +200,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    priority: Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)] = 0
+    """Its rank under scheduler.policy priority (lower first, vLLM's extension)."""
     """Share cached KV blocks only with requests of the same salt."""
     repetition_penalty: float | None = None
     min_p: float | None = None

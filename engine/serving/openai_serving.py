@@ -225,7 +225,7 @@ class OpenAIServing:
         try:
             for ids in prompt_ids:  # sample index = prompt index * num_samples + j
                 for sample in per_sample:
-                    run.submit(ids, sample, req.stream, req.cache_salt, grammar, lora)
+                    run.submit(ids, sample, req.stream, req.cache_salt, grammar, lora, req.priority)
             if req.stream:
                 gen.first = await first_replies(run)
             else:

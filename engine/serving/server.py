@@ -180,7 +180,7 @@ class Server:
                                                  f"{adds} (scheduler.max_waiting_tokens="
                                                  f"{self.max_waiting_tokens}); retry later")
             self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt,
-                                    cmd.grammar, cmd.handoff, cmd.resume, cmd.lora)
+                                    cmd.grammar, cmd.handoff, cmd.resume, cmd.lora, cmd.priority)
         except RequestError as e:
             self.engine.handoffs.refused(cmd.handoff, len(cmd.prompt_ids))
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))

@@ -587,3 +587,9 @@ def test_sigterm_drains_and_health_turns_503(served, url):
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length", "the in-flight request drained"
     assert events[-1]["usage"]["completion_tokens"] == 40
     assert proc.proc.wait(60) == 0, proc.tail()
+
+
+def test_a_priority_needs_the_priority_policy(oai):
+    with pytest.raises(openai.BadRequestError, match="start it with scheduler.policy=priority"):
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 1})
+    assert oai.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 0}).choices
