@@ -315,6 +315,10 @@ class ServerConfig(Section):
     checkpoint directory's or GGUF file's name), never its local path."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    """How chat replies' reasoning (up to `</think>`) is split off as `reasoning_content`
+    (vLLM's --reasoning-parser): `qwen3` (a reply reasons if it opens with `<think>`) or
+    `deepseek_r1` (a reply starts inside its reasoning); null: replies are not split."""
     secret: Annotated[str, Field(min_length=1)] | None = Field(None, repr=False)
     """Shared secret: an HMAC tag on every ZMQ frame, between clients and the server and between
     the ranks (control plane, heartbeats); across nodes the control plane and heartbeats are

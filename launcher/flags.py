@@ -41,6 +41,8 @@ FLAGS = (
     Flag(("-dp", "--data-parallel-size"), "parallel.data", int, "replicas behind one front door"),
     Flag(("--max-num-seqs",), "scheduler.max_num_seqs", int, "most sequences in one step"),
     Flag(("--served-model-name",), "server.model_name", str, "the model's name in the HTTP API"),
+    Flag(("--reasoning-parser",), "server.reasoning_parser", str, "split replies' reasoning off as "
+                                                                  "reasoning_content: qwen3 or deepseek_r1"),
     Flag(("-md", "--model-draft"), "speculative.model", str, "a draft model for speculative decoding "
                                                              "(llama-server's flag; implies speculative.method=draft)"),
     Flag(("--draft-max", "--draft"), "speculative.num_speculative_tokens", int, "most tokens a sequence proposes per step"),

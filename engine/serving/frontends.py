@@ -63,7 +63,8 @@ def build_frontends(config: Config, info: ModelInfo, memory: MemoryPlan, tokeniz
                             limits=server.http_limits, metrics_public=server.metrics.public,
                             cors_allowed_origins=server.cors_allowed_origins, grammars=grammars,
                             adapters=dict(config.lora.adapters) if config.lora.active else None,
-                            max_stored_responses=server.responses.max_stored)
+                            max_stored_responses=server.responses.max_stored,
+                            reasoning_parser=server.reasoning_parser)
     except OSError:
         zmq.close()
         raise

@@ -82,13 +82,15 @@ class HttpFrontend:
                  model_name: str, registry: CollectorRegistry | None = None, api_key: str | None = None,
                  limits: HttpLimits | None = None, metrics_public: bool = False,
                  cors_allowed_origins: tuple[str, ...] | list[str] = ("*",), grammars: GrammarCompiler | None = None,
-                 adapters: dict[str, str] | None = None, max_stored_responses: int = 1000):
+                 adapters: dict[str, str] | None = None, max_stored_responses: int = 1000,
+                 reasoning_parser: str | None = None):
         """`api_key`: every path but /health (and /metrics if `metrics_public`) needs
         `Authorization: Bearer <api_key>`. `cors_allowed_origins`: the web origins that may
         call the API from a browser ("*": any). `grammars`: compiles structured-output
         constraints (one is made if not given). `adapters`: the LoRA adapters served at start
         (name -> directory), where the server serves adapters (None: it serves none).
-        `max_stored_responses`: the Responses API's store (server.responses.max_stored)."""
+        `max_stored_responses`: the Responses API's store (server.responses.max_stored).
+        `reasoning_parser`: server.reasoning_parser."""
         limits = limits or HttpLimits()
         self.inbox = inbox
         self.model_name, self.max_model_len = model_name, max_model_len
@@ -110,7 +112,7 @@ class HttpFrontend:
                                   registry=self.registry)
         self.adapters = ServedAdapters(model_name, max_model_len, adapters, inbox) if adapters is not None else None
         self.serving = OpenAIServing(self, tokenizer, vocab_size, max_model_len, model_name, grammars, self.adapters,
-                                     max_stored_responses)
+                                     max_stored_responses, reasoning_parser)
         self.app = build_app(self.serving, self.health, self.models, self.reset_prefix_cache, self.registry)
         open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
         app = with_cors(CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout),

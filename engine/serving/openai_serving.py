@@ -35,6 +35,7 @@ from meshserve.engine.serving.openai_protocol import (IGNORED_HEADER, MAX_N, Cha
 from meshserve.engine.serving.openai_shapes import ChatShapes, ChoiceContext, CompletionShapes, LogprobFormatter
 from meshserve.engine.serving.request_body import parse_body
 from meshserve.engine.serving.messages_api import MessagesApi
+from meshserve.engine.serving.reasoning import PARSERS
 from meshserve.engine.serving.response_store import ResponseStore
 from meshserve.engine.serving.responses_api import ResponsesApi
 from meshserve.engine.serving.structured_request import grammar_spec
@@ -54,10 +55,11 @@ class OpenAIServing:
 
     def __init__(self, link: EngineLink, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  model_name: str, grammars: GrammarCompiler | None = None, adapters: ServedAdapters | None = None,
-                 max_stored_responses: int = 1000):
+                 max_stored_responses: int = 1000, reasoning_parser: str | None = None):
         """`grammars`: compiles structured-output constraints (one is made if not given).
         `adapters`: the LoRA adapters a request's `model` may name, where the server serves them.
-        `max_stored_responses`: the Responses API's store (server.responses.max_stored)."""
+        `max_stored_responses`: the Responses API's store (server.responses.max_stored).
+        `reasoning_parser`: how replies' reasoning is split off (engine/serving/reasoning.py)."""
         self.link, self.tokenizer = link, tokenizer
         self.adapters = adapters
         self.vocab_size, self.max_model_len, self.model_name = vocab_size, max_model_len, model_name
@@ -73,6 +75,8 @@ class OpenAIServing:
                                           adapters.resolve if adapters is not None else None)
         self.responses = ResponsesApi(self.start_chat, model_name, max_model_len, ResponseStore(max_stored_responses))
         self.messages = MessagesApi(self.start_chat, model_name, max_model_len)
+        self.reasoning = None if reasoning_parser is None else PARSERS[reasoning_parser]
+        """Whether a reply starts inside its reasoning; None: replies are not split."""
 
     def close(self) -> None:
         self._pool.close()
@@ -174,7 +178,7 @@ class OpenAIServing:
         context = ChoiceContext([ids], req.n, [req.echo_text()], req.return_token_ids, req.prompt_logprobs is not None)
         formatter = LogprobFormatter(self._token_text)
         shapes = ChatShapes(formatter if req.logprobs else None, context,
-                            self.tool_format if req.uses_tools else None, formatter)
+                            self.tool_format if req.uses_tools else None, formatter, self.reasoning)
         grammar = await self._grammar(self._chat_constraint(req))
         return [ids], params, shapes, grammar
 

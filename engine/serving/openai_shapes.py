@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.comm.messages import Completion, Delta, TokenLogprob, Usage
+from meshserve.engine.serving.reasoning import ReasoningSplitter, split_reasoning
 from meshserve.engine.serving.tools import ToolCallStream, ToolFormat
 
 
@@ -211,15 +212,21 @@ class ChatShapes:
     id_prefix = "chatcmpl-"
 
     def __init__(self, logprobs: LogprobFormatter | None, context: ChoiceContext | None = None,
-                 tools: ToolFormat | None = None, prompt_formatter: LogprobFormatter | None = None):
+                 tools: ToolFormat | None = None, prompt_formatter: LogprobFormatter | None = None,
+                 reasoning: bool | None = None):
         """`tools`: the model's tool-call format, when the reply is read for calls (a
         request with tools): they leave as `tool_calls`, and finish_reason is "tool_calls".
-        `prompt_formatter`: formats the prompt logprobs (vLLM's prompt_logprobs)."""
+        `prompt_formatter`: formats the prompt logprobs (vLLM's prompt_logprobs).
+        `reasoning`: with a reasoning parser (engine/serving/reasoning.py), whether a reply
+        starts inside its reasoning; its reasoning leaves as `reasoning_content`, and only
+        the answer after it is read for tool calls. None: no parser."""
         self.logprobs = logprobs
         self.context = context or ChoiceContext([])
         self.tools = tools
+        self.reasoning = reasoning
         self._prompt_formatter = prompt_formatter
         self._streams: dict[int, ToolCallStream] = {}
+        self._splitters: dict[int, ReasoningSplitter] = {}
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         return None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)
@@ -227,12 +234,20 @@ class ChatShapes:
     def choice(self, index: int, c: Completion) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.context.echo_text(index) + c.text}
         finish = c.finish_reason
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, message["content"] = split_reasoning(c.text, self.reasoning)
+            message["content"] = self.context.echo_text(index) + message["content"]
         if self.tools is not None:
             parsed = self.tools.parse(message["content"])
             message = {"role": "assistant", "content": parsed.content}
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls
                 finish = "tool_calls" if finish == "stop" else finish
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning
+            if reasoning and not message["content"]:
+                message["content"] = None
         out = {"index": index, "message": message, "logprobs": self._logprobs(c.logprobs or []),
                "finish_reason": finish, "stop_reason": c.stop_reason}
         if self.context.token_ids:
@@ -240,25 +255,36 @@ class ChatShapes:
         return out
 
     def chunk_choice(self, index: int, d: Delta) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": d.text}
+        text, reasoning = d.text, ""
+        if self.reasoning is not None:
+            splitter = self._splitters.get(index)
+            if splitter is None:
+                splitter = self._splitters[index] = ReasoningSplitter(self.reasoning)
+            reasoning, text = splitter.feed(d.text)
+            if d.finish_reason is not None:
+                more_reasoning, more_text = splitter.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        delta: dict[str, Any] = {"content": text}
         finish = d.finish_reason
         if self.tools is not None:
-            delta, called = self._tool_delta(index, d)
+            delta, called = self._tool_delta(index, text, d.finish_reason is not None)
             finish = "tool_calls" if finish == "stop" and called else finish
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **{k: v for k, v in delta.items() if v}}
         out = {"index": index, "delta": delta, "logprobs": self._logprobs(d.logprobs or []),
                "finish_reason": finish, "stop_reason": d.stop_reason}
         if self.context.token_ids:
             out["token_ids"] = d.token_ids
         return out
 
-    def _tool_delta(self, index: int, d: Delta) -> tuple[dict[str, Any], bool]:
+    def _tool_delta(self, index: int, text: str, last: bool) -> tuple[dict[str, Any], bool]:
         """The chunk delta of a reply read for tool calls (its text held back while it may be
         a call; a call's name once it commits, then its arguments as they are written), and
         whether the reply called a tool. One call's fragments in one chunk go as one entry."""
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = self.tools.stream()
-        parts = stream.feed(d.text) + (stream.finish() if d.finish_reason is not None else [])
+        parts = stream.feed(text) + (stream.finish() if last else [])
         delta: dict[str, Any] = {}
         for part in parts:
             if "content" in part:
