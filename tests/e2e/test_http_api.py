@@ -555,6 +555,12 @@ def test_bench_counts_match_what_was_sent(url, tmp_path):
 # ------------------------------------------------------------------ drain (last: stops the server)
 
 
+def test_a_priority_needs_the_priority_policy(oai):
+    with pytest.raises(openai.BadRequestError, match="start it with scheduler.policy=priority"):
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 1})
+    assert oai.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 0}).choices
+
+
 def test_sigterm_drains_and_health_turns_503(served, url):
     proc = served.proc
     body = {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True,
@@ -587,9 +593,3 @@ def test_sigterm_drains_and_health_turns_503(served, url):
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length", "the in-flight request drained"
     assert events[-1]["usage"]["completion_tokens"] == 40
     assert proc.proc.wait(60) == 0, proc.tail()
-
-
-def test_a_priority_needs_the_priority_policy(oai):
-    with pytest.raises(openai.BadRequestError, match="start it with scheduler.policy=priority"):
-        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 1})
-    assert oai.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 0}).choices
