@@ -200,10 +200,10 @@ class Scheduler:
     def _victim(self, busy: frozenset[int], batch: ScheduledBatch) -> Sequence | None:
         """The running sequence to preempt for blocks, neither in flight nor already in this
         batch: the most recently admitted (fcfs), or the one of the worst rank (priority)."""
-        free = [s for s in self.running if s.seq_id not in busy and not any(b is s for b in batch.seqs)]
-        if not free:
-            return None
-        return free[-1] if self.priority_aging is None else max(free, key=self.rank)
+        free = (s for s in reversed(self.running) if s.seq_id not in busy and not any(b is s for b in batch.seqs))
+        if self.priority_aging is None:
+            return next(free, None)
+        return max(free, key=self.rank, default=None)
 
     def _make_room(self, busy: frozenset[int], batch: ScheduledBatch) -> None:
         """Priority: while the best waiting sequence cannot be admitted, preempt the running

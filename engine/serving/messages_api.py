@@ -31,7 +31,7 @@ from meshserve.engine.serving.openai_protocol import IGNORED_HEADER, ChatComplet
 from meshserve.engine.serving.request_body import parse_body, validation_error
 
 StartChat = Callable[[ChatCompletionRequest, Request], Awaitable[Generation]]
-CHAT_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
+CHAT_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 """The chat parameters whose errors a Messages client knows by another name."""
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
