@@ -138,6 +138,8 @@ class Constraint(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=
     prefix: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
     suffix: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
     param: Annotated[str, Meta(max_length=64)] = "structured_outputs"
+    reasoning: Literal["", "inside", "optional"] = ""
+    reasoning_budget: Annotated[int, Meta(ge=0)] = 0
 
 
 # ---------------------------------------------------------------- client protocol

@@ -34,6 +34,13 @@ from meshserve.comm.messages import StructuredOutputs, TokenMasks
 from meshserve.engine.admission import RequestError
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+Reasoning = Literal["", "inside", "optional"]
+ANY_TEXT = "root ::= [^]*"
+"""A grammar any output follows: the body of a constraint that only bounds the reasoning."""
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_SPACE = r"[ \t\r\n]{0,4}"
+"""What may stand between a reasoning block and what follows it; bounded, since small models
+under a mask pad with whitespace."""
 CACHE_ENTRIES = 512
 """Compiled grammars kept, most recently used first (xgrammar caches schemas too, but not
 grammars built from parts)."""
@@ -52,6 +59,14 @@ class GrammarSpec:
     suffix: str = ""
     param: str = "structured_outputs"
     """The request field it came from, named in errors."""
+    reasoning: Reasoning = ""
+    """With a reasoning parser (engine/serving/reasoning.py), the constraint applies only
+    after the reply's reasoning, which is free text up to `</think>`: "inside", a reply that
+    starts inside its reasoning; "optional", one that may open a `<think>` block first; "":
+    the constraint applies from the first token."""
+    reasoning_budget: int = 0
+    """With `reasoning`: the most tokens the reasoning may take, after which `</think>` is
+    forced (vLLM's thinking_token_budget); 0: no limit."""
 
 
 def spec_from_message(so: StructuredOutputs, param: str = "structured_outputs") -> GrammarSpec:
@@ -151,9 +166,36 @@ class GrammarCompiler:
             body = xgr.Grammar.from_ebnf("root ::= " + " | ".join(_literal(c) for c in choices))
         else:
             body = xgr.Grammar.from_ebnf(spec.value)
-        parts = ([xgr.Grammar.from_ebnf("root ::= " + _literal(spec.prefix))] if spec.prefix else []) + [body] + (
-            [xgr.Grammar.from_ebnf("root ::= " + _literal(spec.suffix))] if spec.suffix else [])
+        if spec.reasoning:
+            head = [_reasoning_head(spec.reasoning, spec.reasoning_budget, spec.prefix)]
+        else:
+            head = [xgr.Grammar.from_ebnf("root ::= " + _literal(spec.prefix))] if spec.prefix else []
+        parts = head + [body] + ([xgr.Grammar.from_ebnf("root ::= " + _literal(spec.suffix))] if spec.suffix else [])
         return compiler.compile_grammar(xgr.Grammar.concat(*parts) if len(parts) > 1 else body)
+
+
+def _reasoning_head(mode: Reasoning, budget: int, prefix: str) -> Any:
+    """What comes before a constraint's body when it waits for the reasoning: free text (at
+    most `budget` tokens) up to `</think>`, then at most a little whitespace and `prefix`.
+    A forced tool call's opening marker (`prefix`) also ends a reasoning block the model left
+    open, as the reply's reader takes it (engine/serving/reasoning.py)."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import (AnyTextFormat, ConstStringFormat, OptionalFormat, OrFormat, RegexFormat,
+                                         SequenceFormat, StructuralTag, TagFormat)
+
+    begin = "" if mode == "inside" else THINK_OPEN
+    text = AnyTextFormat(max_tokens=budget or None)
+    space = RegexFormat(pattern=_SPACE)
+    closed = [TagFormat(begin=begin, content=text, end=THINK_CLOSE), space]
+    if not prefix:
+        head = SequenceFormat(elements=closed) if mode == "inside" else SequenceFormat(
+            elements=[space, OptionalFormat(content=SequenceFormat(elements=closed))])
+    else:
+        opened = ConstStringFormat(value=prefix)
+        ways = [SequenceFormat(elements=[*closed, opened]), TagFormat(begin=begin, content=text, end=prefix)]
+        head = OrFormat(elements=ways) if mode == "inside" else SequenceFormat(
+            elements=[space, OrFormat(elements=[*ways, opened])])
+    return xgr.Grammar.from_structural_tag(StructuralTag(format=head))
 
 
 def _clean(error: Exception) -> str:

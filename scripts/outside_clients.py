@@ -138,14 +138,6 @@ def langchain(venv: Path, url: str, requests: int, work: Path) -> dict:
             "errored": None if ok is None else requests - ok, "output": tail(p.stdout + p.stderr)}
 
 
-
-
-
-
-
-
-
-
 def checks(name: str, venv: Path, url: str, work: Path) -> dict:
     """Runs one client's checks (client_checks/<name>_checks.py, with client_checks/common.py
     beside it) with `venv`'s python; per check, what it sent and whether the client got what it

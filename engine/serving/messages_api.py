@@ -5,11 +5,13 @@ A request is translated into a chat request: `system` -> a system message; user 
 `tool_result` blocks -> user and tool messages; assistant text and `tool_use` blocks -> an
 assistant message with its tool calls; `tools` (name, description, input_schema) ->
 function tools; `tool_choice` auto | any | tool | none -> auto | required | the named
-function | none; `stop_sequences` -> stop; `max_tokens` (required) -> max_completion_tokens.
-The chat reply is reshaped: text and `tool_use` blocks, `stop_reason` end_turn | max_tokens
-| stop_sequence | tool_use, and usage in input and output tokens. Streamed, the chat chunks
-become Anthropic's events (message_start, content_block_start, text_delta and
-input_json_delta content_block_deltas as the model writes, content_block_stop,
+function | none; `stop_sequences` -> stop; `max_tokens` (required) -> max_completion_tokens;
+with a reasoning parser, `thinking` enabled -> its budget_tokens as thinking_token_budget,
+disabled -> the template's enable_thinking false. The chat reply is reshaped: `thinking`
+(its reasoning), text and `tool_use` blocks, `stop_reason` end_turn | max_tokens |
+stop_sequence | tool_use, and usage in input and output tokens. Streamed, the chat chunks
+become Anthropic's events (message_start, content_block_start, thinking_delta, text_delta
+and input_json_delta content_block_deltas as the model writes, content_block_stop,
 message_delta, message_stop). Errors come in Anthropic's shape, `{"type": "error", "error":
 {"type", "message"}}`.
 """
@@ -31,7 +33,7 @@ from meshserve.engine.serving.openai_protocol import IGNORED_HEADER, ChatComplet
 from meshserve.engine.serving.request_body import parse_body, validation_error
 
 StartChat = Callable[[ChatCompletionRequest, Request], Awaitable[Generation]]
-CHAT_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+CHAT_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "thinking_token_budget": "thinking"}
 """The chat parameters whose errors a Messages client knows by another name."""
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -39,6 +41,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn", "abort": "end_turn"}
 HONOURED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
             "tools", "tool_choice", "metadata"}
+"""Fields honoured whatever the server; `thinking` too where it splits reasoning."""
 
 
 class MessagesRequest(_Strict):
@@ -54,6 +57,14 @@ class MessagesRequest(_Strict):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    """{"type": "enabled", "budget_tokens": N} | {"type": "disabled"}."""
+
+    def ignored(self, reasoning: bool) -> list[str]:
+        """The fields given that are not honoured (`reasoning`: whether replies' reasoning is
+        split off, without which `thinking` is not)."""
+        given = set(self.model_extra or {}) | ({"thinking"} if self.thinking is not None and not reasoning else set())
+        return sorted(given - HONOURED)
 
 
 def anthropic_error(err: OpenAIError) -> JSONResponse:
@@ -139,9 +150,26 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
     raise _bad(f"tool_choice.type={str(kind)[:40]!r} must be auto, any, tool or none", "tool_choice")
 
 
-def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
+def _thinking(thinking: dict[str, Any]) -> dict[str, Any]:
+    """The chat fields of a `thinking` setting."""
+    kind = thinking.get("type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise _bad(f"thinking.budget_tokens must be a positive integer, got {str(budget)[:40]}", "thinking")
+        return {"thinking_token_budget": budget}
+    if kind == "disabled":
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    raise _bad(f"thinking.type={str(kind)[:40]!r} must be enabled or disabled", "thinking")
+
+
+def to_chat(req: MessagesRequest, reasoning: bool = False) -> ChatCompletionRequest:
+    """The chat request that generates the reply; `thinking` applied where `reasoning`
+    (the server splits replies' reasoning off)."""
     choice, parallel = _tool_choice(req.tool_choice)
     body: dict[str, Any] = {"messages": _messages(req), "stream": req.stream, "max_completion_tokens": req.max_tokens}
+    if reasoning and req.thinking is not None:
+        body |= _thinking(req.thinking)
     for name, value in (("model", req.model), ("temperature", req.temperature), ("top_p", req.top_p),
                         ("top_k", req.top_k), ("stop", req.stop_sequences), ("tools", _tools(req)),
                         ("tool_choice", choice), ("parallel_tool_calls", parallel)):
@@ -183,16 +211,18 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
 class MessagesApi:
     """POST /v1/messages, generated by the chat pipeline (`start_chat`)."""
 
-    def __init__(self, start_chat: StartChat, model_name: str, max_model_len: int):
+    def __init__(self, start_chat: StartChat, model_name: str, max_model_len: int, reasoning: bool = False):
+        """`reasoning`: whether the server splits replies' reasoning off (a reasoning parser)."""
         self.start_chat, self.model_name, self.max_model_len = start_chat, model_name, max_model_len
+        self.reasoning = reasoning
 
     async def create(self, raw: Request):
         try:
             req = parse_body(await raw.body(), MessagesRequest, self.max_model_len)
-            gen = await self.start_chat(to_chat(req), raw)
+            gen = await self.start_chat(to_chat(req, self.reasoning), raw)
         except OpenAIError as e:
             return anthropic_error(e.renamed(CHAT_NAMES))
-        ignored = sorted(set(req.model_extra or {}) - HONOURED)
+        ignored = req.ignored(self.reasoning)
         headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
         message_id = "msg_" + uuid.uuid4().hex
         if not req.stream:
@@ -204,7 +234,9 @@ class MessagesApi:
     def _whole(self, req: MessagesRequest, message_id: str, chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
         message = choice["message"]
-        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        thought = message.get("reasoning_content")
+        content = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+        content += [{"type": "text", "text": message["content"]}] if message.get("content") else []
         content += [_tool_use(c) for c in message.get("tool_calls") or []]
         reason, sequence = _stop(choice, req.stop_sequences)
         return {"id": message_id, "type": "message", "role": "assistant", "model": req.model or self.model_name,
@@ -253,6 +285,10 @@ class MessageStream:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                events.append({"type": "content_block_delta", "index": self.block,
+                               "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]}})
             if delta.get("content"):
                 events += self._open("text", {"type": "text", "text": ""})
                 events.append({"type": "content_block_delta", "index": self.block,

@@ -430,6 +430,9 @@ class ChatCompletionRequest(_SamplingRequest):
     """The model continues the last message (an assistant's prefix) instead of starting a new one."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Variables for the chat template (e.g. {"enable_thinking": false})."""
+    thinking_token_budget: Annotated[int, Field(ge=1)] | None = None
+    """The most tokens the reply's reasoning may take before `</think>` is forced (needs a
+    reasoning parser)."""
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -15,6 +15,7 @@ forced-tool-call constraint is compiled on the pool too. Then one AddCommand per
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -43,7 +44,7 @@ from meshserve.engine.serving.tokenize_api import TokenizerApi, encode_chat, tem
 from meshserve.engine.serving.tokenize_pool import TokenizePool
 from meshserve.engine.serving.tools import (ToolRequestError, chat_template_source, forced_call, render_messages,
                                             tool_format_for)
-from meshserve.engine.structured import Grammar, GrammarCompiler, GrammarSpec
+from meshserve.engine.structured import ANY_TEXT, Grammar, GrammarCompiler, GrammarSpec
 from meshserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class OpenAIServing:
         self.tokenizer_api = TokenizerApi(tokenizer, vocab_size, max_model_len, model_name, self.in_pool,
                                           adapters.resolve if adapters is not None else None)
         self.responses = ResponsesApi(self.start_chat, model_name, max_model_len, ResponseStore(max_stored_responses))
-        self.messages = MessagesApi(self.start_chat, model_name, max_model_len)
+        self.messages = MessagesApi(self.start_chat, model_name, max_model_len, reasoning_parser is not None)
         self.reasoning = None if reasoning_parser is None else PARSERS[reasoning_parser]
         """Whether a reply starts inside its reasoning; None: replies are not split."""
 
@@ -177,8 +178,10 @@ class OpenAIServing:
             raise from_request_error(e, "messages") from None
         context = ChoiceContext([ids], req.n, [req.echo_text()], req.return_token_ids, req.prompt_logprobs is not None)
         formatter = LogprobFormatter(self._token_text)
+        skip = params.skip_special_tokens
         shapes = ChatShapes(formatter if req.logprobs else None, context,
-                            self.tool_format if req.uses_tools else None, formatter, self.reasoning)
+                            self.tool_format if req.uses_tools else None, formatter, self.reasoning,
+                            lambda token_ids: self.tokenizer.decode(token_ids, skip))
         grammar = await self._grammar(self._chat_constraint(req))
         return [ids], params, shapes, grammar
 
@@ -195,15 +198,27 @@ class OpenAIServing:
 
     def _chat_constraint(self, req: ChatCompletionRequest) -> GrammarSpec | None:
         """The output's constraint: the request's structured output, or a forced tool call's
-        (tool_choice required or named: the call's arguments follow the function's schema)."""
+        (tool_choice required or named: the call's arguments follow the function's schema).
+        With a reasoning parser it applies after the reply's reasoning, which
+        thinking_token_budget bounds (a constraint of its own when there is no other)."""
         spec = grammar_spec(req)
         forced = forced_call(req.tools, req.tool_choice, self.tool_format) if req.tools else None
-        if forced is None:
+        if forced is not None:
+            if spec is not None:
+                raise OpenAIError(400, f"{spec.param} and tool_choice={json.dumps(req.tool_choice)[:80]} both "
+                                       f"constrain the output: give one", param="tool_choice", code="invalid_value")
+            spec = GrammarSpec("json", json.dumps(forced.schema), forced.prefix, forced.suffix, "tool_choice")
+        budget = req.thinking_token_budget
+        if self.reasoning is None:
+            if budget is not None:
+                raise OpenAIError(400, "thinking_token_budget needs a server started with --reasoning-parser",
+                                  param="thinking_token_budget", code="invalid_value")
             return spec
-        if spec is not None:
-            raise OpenAIError(400, f"{spec.param} and tool_choice={json.dumps(req.tool_choice)[:80]} both constrain "
-                                   f"the output: give one", param="tool_choice", code="invalid_value")
-        return GrammarSpec("json", json.dumps(forced.schema), forced.prefix, forced.suffix, "tool_choice")
+        if spec is None and budget is None:
+            return None
+        spec = spec or GrammarSpec("grammar", ANY_TEXT, param="thinking_token_budget")
+        return dataclasses.replace(spec, reasoning="inside" if self.reasoning else "optional",
+                                   reasoning_budget=budget or 0)
 
     # ------------------------------------------------------------------ both
 

@@ -4,20 +4,22 @@ whole or as stream chunks (openai_protocol.py has the requests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from meshserve.comm.messages import Completion, Delta, TokenLogprob, Usage
-from meshserve.engine.serving.reasoning import ReasoningSplitter, split_reasoning
+from meshserve.engine.serving.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
 from meshserve.engine.serving.tools import ToolCallStream, ToolFormat
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-               draft_tokens: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+               draft_tokens: tuple[int, int] = (0, 0), reasoning_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage object; `cached_tokens` (once known, at the end): prompt tokens whose KV
     came from the prefix cache. `draft_tokens`: speculative decoding's (accepted, rejected)
     proposed tokens, as OpenAI's completion_tokens_details names predicted outputs' (given
-    where any were proposed)."""
+    where any were proposed). `reasoning_tokens`: of the completion tokens, those of the
+    replies' reasoning (given where a reasoning parser splits replies)."""
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                              "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
@@ -25,6 +27,8 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     if any(draft_tokens):
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": draft_tokens[0],
                                               "rejected_prediction_tokens": draft_tokens[1]}
+    if reasoning_tokens is not None:
+        usage.setdefault("completion_tokens_details", {})["reasoning_tokens"] = reasoning_tokens
     return usage
 
 
@@ -203,6 +207,10 @@ class CompletionShapes:
         """Fields of the whole response besides the header, choices and usage: none."""
         return {}
 
+    def reasoning_tokens(self, text: str, token_ids: list[int]) -> int | None:
+        """Completions are not split into reasoning and answer."""
+        return None
+
 
 class ChatShapes:
     """Choices of /v1/chat/completions, whole or as stream chunks."""
@@ -213,13 +221,15 @@ class ChatShapes:
 
     def __init__(self, logprobs: LogprobFormatter | None, context: ChoiceContext | None = None,
                  tools: ToolFormat | None = None, prompt_formatter: LogprobFormatter | None = None,
-                 reasoning: bool | None = None):
+                 reasoning: bool | None = None, decode: Callable[[list[int]], str] | None = None):
         """`tools`: the model's tool-call format, when the reply is read for calls (a
         request with tools): they leave as `tool_calls`, and finish_reason is "tool_calls".
         `prompt_formatter`: formats the prompt logprobs (vLLM's prompt_logprobs).
         `reasoning`: with a reasoning parser (engine/serving/reasoning.py), whether a reply
         starts inside its reasoning; its reasoning leaves as `reasoning_content`, and only
-        the answer after it is read for tool calls. None: no parser."""
+        the answer after it is read for tool calls (a call opened inside the reasoning ends
+        it). None: no parser. `decode`: the reply's detokenizer (ids -> text), with which
+        its reasoning tokens are counted."""
         self.logprobs = logprobs
         self.context = context or ChoiceContext([])
         self.tools = tools
@@ -227,6 +237,14 @@ class ChatShapes:
         self._prompt_formatter = prompt_formatter
         self._streams: dict[int, ToolCallStream] = {}
         self._splitters: dict[int, ReasoningSplitter] = {}
+        self._call_open = tools.call_open if tools is not None else None
+        self._decode = decode
+
+    def reasoning_tokens(self, text: str, token_ids: list[int]) -> int | None:
+        """Of a reply's tokens, how many are its reasoning; None without a reasoning parser."""
+        if self.reasoning is None or self._decode is None:
+            return None
+        return reasoning_tokens(text, token_ids, self.reasoning, self._call_open, self._decode)
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         return None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)
@@ -236,7 +254,7 @@ class ChatShapes:
         finish = c.finish_reason
         reasoning = None
         if self.reasoning is not None:
-            reasoning, message["content"] = split_reasoning(c.text, self.reasoning)
+            reasoning, message["content"] = split_reasoning(c.text, self.reasoning, self._call_open)
             message["content"] = self.context.echo_text(index) + message["content"]
         if self.tools is not None:
             parsed = self.tools.parse(message["content"])
@@ -259,7 +277,7 @@ class ChatShapes:
         if self.reasoning is not None:
             splitter = self._splitters.get(index)
             if splitter is None:
-                splitter = self._splitters[index] = ReasoningSplitter(self.reasoning)
+                splitter = self._splitters[index] = ReasoningSplitter(self.reasoning, self._call_open)
             reasoning, text = splitter.feed(d.text)
             if d.finish_reason is not None:
                 more_reasoning, more_text = splitter.finish()

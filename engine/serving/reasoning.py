@@ -11,6 +11,10 @@ Two families (server.reasoning_parser):
 Either way the reasoning ends at `</think>`, and a reply cut off before it is all reasoning.
 The answer after it starts at its first character other than whitespace.
 
+A tool call opened inside the reasoning (`<tool_call>`, which Qwen3.5-family models write
+before closing `</think>`) ends it too: the call and what follows are the answer, read for
+calls as any answer is, so no call is lost in the reasoning (vLLM #39056).
+
 One splitter reads the whole reply and the stream alike, a character-exact state machine
 whose decisions never depend on where the text was split (tests/unit/test_reasoning.py
 checks any split), so both give the same reasoning and content."""
@@ -28,14 +32,22 @@ class ReasoningSplitter:
     """Fed the reply's text in any pieces; each call returns the (reasoning, content) text it
     can release, holding back what may still be a marker."""
 
-    def __init__(self, starts_inside: bool):
+    def __init__(self, starts_inside: bool, call_open: str | None = None):
+        """`call_open`: the marker that opens a tool call (the request's tool format's), which
+        ends the reasoning and stays in the answer; None: only `</think>` ends it."""
         self._starts_inside = starts_inside
+        self._ends = (THINK_CLOSE,) if call_open is None else (THINK_CLOSE, call_open)
         self._state = "start"   # start | reasoning | answer_start | answer
         self._held = ""
+        self._fed = 0
+        self.reasoning_chars = 0
+        """Characters of the reply up to the end of its reasoning (its `</think>` included),
+        once known: at that marker, or at finish() for a reply that never left it."""
 
     def feed(self, text: str) -> tuple[str, str]:
         reasoning, content = [], []
-        text = self._held + text
+        self._fed += len(text)
+        text = self._held + text  # always the last len(text) characters fed
         self._held = ""
         while text:
             if self._state == "start":
@@ -48,12 +60,17 @@ class ReasoningSplitter:
                 else:
                     self._state = "reasoning" if self._starts_inside else "answer_start"
             elif self._state == "reasoning":
-                at = text.find(THINK_CLOSE)
-                if at >= 0:
+                found = [(at, marker) for marker in self._ends if (at := text.find(marker)) >= 0]
+                if found:
+                    at, marker = min(found)
                     reasoning.append(text[:at])
-                    self._state, text = "answer_start", text[at + len(THINK_CLOSE):]
+                    self.reasoning_chars = self._fed - len(text) + at + (len(marker) if marker == THINK_CLOSE else 0)
+                    if marker == THINK_CLOSE:
+                        self._state, text = "answer_start", text[at + len(THINK_CLOSE):]
+                    else:
+                        self._state, text = "answer", text[at:]
                     continue
-                keep = marker_overlap(text, THINK_CLOSE)
+                keep = max(marker_overlap(text, marker) for marker in self._ends)
                 reasoning.append(text[:len(text) - keep])
                 self._held = text[len(text) - keep:]
                 break
@@ -70,13 +87,35 @@ class ReasoningSplitter:
         """What is still held, once the reply has ended."""
         held, self._held = self._held, ""
         if self._state == "reasoning" or (self._state == "start" and self._starts_inside):
+            self.reasoning_chars = self._fed
             return held, ""
         return "", held.lstrip() if self._state in ("start", "answer_start") else held
 
 
-def split_reasoning(text: str, starts_inside: bool) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a whole reply."""
-    splitter = ReasoningSplitter(starts_inside)
+def split_reasoning(text: str, starts_inside: bool, call_open: str | None = None) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a whole reply (`call_open` as ReasoningSplitter's)."""
+    splitter = ReasoningSplitter(starts_inside, call_open)
     r1, c1 = splitter.feed(text)
     r2, c2 = splitter.finish()
     return (r1 + r2) or None, c1 + c2
+
+
+def reasoning_tokens(text: str, token_ids: list[int], starts_inside: bool, call_open: str | None,
+                     decode) -> int:
+    """How many of a reply's tokens are its reasoning (usage's reasoning_tokens): those up to
+    the one that completes its reasoning's last character, found by decoding prefixes of
+    `token_ids` (`decode`: ids -> text, as the reply was detokenized)."""
+    splitter = ReasoningSplitter(starts_inside, call_open)
+    splitter.feed(text)
+    splitter.finish()
+    chars = splitter.reasoning_chars
+    if chars == 0:
+        return 0
+    low, high = 1, len(token_ids)
+    while low < high:  # the fewest tokens whose text reaches `chars`
+        mid = (low + high) // 2
+        if len(decode(token_ids[:mid])) >= chars:
+            high = mid
+        else:
+            low = mid + 1
+    return high

@@ -218,6 +218,8 @@ def test_prompt_logprobs_and_echo_with_logprobs_match_transformers(url, smollm2_
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"thinking_token_budget": 8}, "thinking_token_budget"),  # this server has no reasoning parser
+    ({"thinking_token_budget": 0}, "thinking_token_budget"),
 ])
 def test_bad_input_is_a_400_naming_the_parameter_and_the_server_keeps_serving(url, body, param):
     with httpx.Client(base_url=url, timeout=TIMEOUT) as http:

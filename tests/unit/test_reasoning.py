@@ -31,8 +31,27 @@ def test_whole_replies_split(text, inside, reasoning, content):
     assert split_reasoning(text, inside) == (reasoning, content)
 
 
-def streamed(text_pieces: list[str], inside: bool) -> tuple[str, str]:
-    splitter, reasoning, content = ReasoningSplitter(inside), "", ""
+CALL = "<tool_call>"
+CALL_CASES = [  # (text, starts inside, reasoning, content) with tool calls read from the answer
+    ("<think>I should call it. <tool_call>\n{}\n</tool_call>", False, "I should call it. ", "<tool_call>\n{}\n</tool_call>"),
+    ("Look it up.<tool_call>{}</tool_call></think>done", True, "Look it up.", "<tool_call>{}</tool_call></think>done"),
+    ("a</think> <tool_call>{}", True, "a", "<tool_call>{}"),
+    ("<tool_call>{}", True, None, "<tool_call>{}"),
+    ("a <tool_ca", True, "a <tool_ca", ""),
+]
+
+
+@pytest.mark.parametrize("text, inside, reasoning, content", CALL_CASES)
+def test_a_tool_call_opened_inside_the_reasoning_ends_it(text, inside, reasoning, content):
+    assert split_reasoning(text, inside, CALL) == (reasoning, content)
+
+
+def test_without_tools_a_call_marker_is_reasoning():
+    assert split_reasoning("x <tool_call>{}</think>y", True) == ("x <tool_call>{}", "y")
+
+
+def streamed(text_pieces: list[str], inside: bool, call_open: str | None = None) -> tuple[str, str]:
+    splitter, reasoning, content = ReasoningSplitter(inside, call_open), "", ""
     for piece in text_pieces:
         r, c = splitter.feed(piece)
         reasoning, content = reasoning + r, content + c
@@ -41,14 +60,14 @@ def streamed(text_pieces: list[str], inside: bool) -> tuple[str, str]:
 
 
 texts = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "nk>", " ", "\n", "a", "b c", "<", ">",
-                                  "think", "é"]), max_size=10).map("".join)
+                                  "think", "é", CALL, "<tool"]), max_size=10).map("".join)
 
 
 @settings(max_examples=300, deadline=None)
-@given(texts, st.booleans(), st.data())
-def test_streamed_split_equals_the_whole_for_any_split(text, inside, data):
+@given(texts, st.booleans(), st.sampled_from([None, CALL]), st.data())
+def test_streamed_split_equals_the_whole_for_any_split(text, inside, call_open, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-    reasoning, content = split_reasoning(text, inside)
-    assert streamed(pieces, inside) == (reasoning or "", content)
-    assert streamed(list(text), inside) == (reasoning or "", content)
+    reasoning, content = split_reasoning(text, inside, call_open)
+    assert streamed(pieces, inside, call_open) == (reasoning or "", content)
+    assert streamed(list(text), inside, call_open) == (reasoning or "", content)

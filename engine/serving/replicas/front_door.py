@@ -16,6 +16,7 @@ sending) while at least one replica serves; with none, 503 `failed`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -624,7 +625,7 @@ def _restart_note(event: ReplicaDown) -> str:
 
 
 def _spec_fields(spec) -> dict:
-    return {"kind": spec.kind, "value": spec.value, "prefix": spec.prefix, "suffix": spec.suffix, "param": spec.param}
+    return dataclasses.asdict(spec)
 
 
 def _settle(done, fn) -> None:

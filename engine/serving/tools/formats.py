@@ -41,6 +41,9 @@ class ToolFormat(ABC):
     forced_prefix: str
     forced_suffix: str
     """Around the JSON of a forced call (see constraints.forced_call)."""
+    call_open: str | None
+    """The text that opens a call, which also ends a reasoning block the model left open
+    (engine/serving/reasoning.py); None where a call has no opening text of its own."""
 
     def parse(self, text: str) -> ParsedMessage:
         """The content and tool calls of a whole output. Never raises: text that is not a
@@ -84,6 +87,7 @@ class HermesFormat(ToolFormat):
     arguments_key = "arguments"
     forced_prefix = HERMES_OPEN + "\n"
     forced_suffix = "\n" + HERMES_CLOSE
+    call_open = HERMES_OPEN
 
     def _scanner(self) -> HermesScanner:
         return HermesScanner()
@@ -107,6 +111,7 @@ class Llama3JsonFormat(ToolFormat):
     arguments_key = "parameters"
     forced_prefix = ""
     forced_suffix = ""
+    call_open = None
 
     def _scanner(self) -> Llama3JsonScanner:
         return Llama3JsonScanner()
