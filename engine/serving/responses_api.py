@@ -71,6 +71,8 @@ class ResponsesRequest(_Strict):
     top_logprobs: Annotated[int, Field(ge=0, le=bounds.MAX_LOGPROBS)] | None = None
     thinking_token_budget: int | None = None
     """vLLM's extension, as chat's: the most tokens the reasoning may take."""
+    priority: int | None = None
+    """vLLM's extension, as chat's: its rank under scheduler.policy priority."""
 
     @property
     def stored(self) -> bool:
@@ -181,7 +183,7 @@ def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> tuple[ChatC
                         ("tools", _tools(req)), ("tool_choice", _tool_choice(req.tool_choice)),
                         ("response_format", _response_format(req.text)),
                         ("parallel_tool_calls", req.parallel_tool_calls),
-                        ("thinking_token_budget", req.thinking_token_budget)):
+                        ("thinking_token_budget", req.thinking_token_budget), ("priority", req.priority)):
         if value is not None:
             body[name] = value
     if req.logprobs:

@@ -1,5 +1,5 @@
 """Priority scheduling through a real `meshserve serve` (scheduler.policy=priority): the
-`priority` field of chat and completions and the ZMQ client's `priority=`, answered as
+`priority` field of chat, completions and responses and the ZMQ client's `priority=`, answered as
 without priorities; metrics by priority; a priority out of range is a 400 naming it. (The
 order of service is tested on the engine: tests/unit/test_priority.py.)"""
 
@@ -26,6 +26,7 @@ def test_priorities_over_http_and_zmq_with_metrics(tmp_path):
         chat = oai.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw | {"extra_body": {
             "priority": 7}})
         assert chat.usage.completion_tokens <= 4
+        oai.responses.create(model=MODEL, input="hi", max_output_tokens=4, extra_body={"priority": 7})
         zmq = next(line for line in proc.stdout if "ready" in line).split("zmq=")[1].split()[0]
         with Client(zmq, timeout=60) as client:
             assert client.generate("Once upon a time", max_tokens=4, temperature=0, ignore_eos=True,
@@ -34,5 +35,5 @@ def test_priorities_over_http_and_zmq_with_metrics(tmp_path):
             oai.completions.create(prompt="x", **kw | {"extra_body": {"priority": 1 << 40}})
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert 'meshserve_priority_requests_total{priority="-3"} 2.0' in metrics
-        assert 'meshserve_priority_requests_total{priority="7"} 1.0' in metrics
+        assert 'meshserve_priority_requests_total{priority="7"} 2.0' in metrics
         assert 'meshserve_priority_time_to_first_token_seconds_count{priority="0"} 1.0' in metrics
