@@ -201,6 +201,8 @@ class GenerateRequest(Struct, tag="generate", frozen=True, forbid_unknown_fields
     """The LoRA adapter the request runs with (its name as the server serves it); None: the base model."""
     priority: Annotated[int, Meta(ge=-(1 << 31), lt=1 << 31)] = 0
     """Its rank under scheduler.policy priority (lower first, as vLLM's); fcfs takes only 0."""
+    background: bool = False
+    """A Batch API request: scheduled below every online request, preempted first."""
 
 
 class AbortRequest(Struct, tag="abort", frozen=True, forbid_unknown_fields=True):

@@ -182,6 +182,10 @@ class SchedulerConfig(Section):
     """`priority`: seconds a waiting request waits to gain one level, which bounds starvation:
     a request is never overtaken by one that arrived more than (the difference of their
     priorities) x priority_aging seconds after it."""
+    background_max_seqs: PositiveInt | None = None
+    """Most background requests (the Batch API's) running at once, so that a batch leaves
+    room and step time to online traffic; null: max_num_seqs. They are scheduled below every
+    online request and preempted first whatever this is."""
     max_waiting: PositiveInt = 4096
     """Most requests queued before admission refuses new ones."""
     max_waiting_tokens: PositiveInt = 1 << 20
@@ -270,6 +274,25 @@ class ResponsesConfig(Section):
     none (`store` is then false in every response)."""
 
 
+class BatchConfig(Section):
+    """The Batch API (`/v1/files`, `/v1/batches`): offline jobs whose requests run below every
+    online request, in the capacity online traffic leaves idle. Files and jobs live under
+    `data_dir`, so a job survives a restart and resumes where it stopped."""
+
+    data_dir: str | None = None
+    """Where files and jobs are kept; null: no Batch API (its paths answer 404). One directory
+    per server: a server resumes every unfinished job it finds there."""
+    max_file_bytes: PositiveInt = 200 << 20
+    """Largest file uploaded (OpenAI's limit)."""
+    max_files: PositiveInt = 1000
+    """Most files kept per API key; outputs of jobs count."""
+    max_requests: PositiveInt = 50_000
+    """Most requests in one job (OpenAI's limit)."""
+    max_in_flight: PositiveInt = 64
+    """Most of the jobs' requests handed to the scheduler at once (they wait there below
+    online requests; more would only hold their prompts in memory)."""
+
+
 class MetricsConfig(Section):
     """`/metrics`: who may read it, and the roofline behind its MFU and MBU gauges."""
 
@@ -315,6 +338,7 @@ class ServerConfig(Section):
     checkpoint directory's or GGUF file's name), never its local path."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     """How chat replies' reasoning (up to `</think>`) is split off as `reasoning_content`
     (vLLM's --reasoning-parser): `qwen3` (a reply reasons if it opens with `<think>`) or

@@ -117,7 +117,8 @@ class Engine:
         blocks = BlockManager(memory.num_blocks, memory.block_size, cp_size, prefix_caching, cache_kind)
         self.loras = loras
         self.scheduler = Scheduler(blocks, scheduler.max_num_seqs, scheduler.max_batched_tokens, loras,
-                                   scheduler.priority_aging if scheduler.policy == "priority" else None)
+                                   scheduler.priority_aging if scheduler.policy == "priority" else None,
+                                   scheduler.background_max_seqs)
         self.plans = PlanBuilder()
         self.handoffs = Handoffs(role, memory.block_size)
         self._events: list[tuple[Hashable, object]] = []
@@ -142,14 +143,15 @@ class Engine:
     def add_request(self, key: Hashable, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stream: bool = True, cache_salt: str | None = None, grammar: Grammar | None = None,
                     handoff: KvHandoff | None = None, resume: Resume | None = None, lora: str | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, background: bool = False) -> None:
         """Queue a validated request. `key` is unique among live requests. `cache_salt`: the
         request shares cached KV blocks only with requests of the same salt. `grammar`: the
         compiled constraint its output follows (engine/structured.py). `handoff`: this
         replica's part of a request two replicas serve (engine/handoff.py). `resume`: the
         output so far of a stream another replica started (migration). `lora`: the name of the
         adapter it runs with (None: the base model). `priority`: its rank under
-        scheduler.policy priority (lower first); under fcfs only 0 is taken."""
+        scheduler.policy priority (lower first); under fcfs only 0 is taken. `background`: a
+        Batch API request, scheduled below every online one."""
         self.handoffs.check(handoff)
         if priority and self.scheduler.priority_aging is None:
             raise RequestError("bad_request", f"priority={priority}: this server schedules first come, first served; "
@@ -172,7 +174,7 @@ class Engine:
             raise RequestError("bad_request", f"request {request_id!r} cannot be sent to the ranks: {e}") from None
         output_ids = list(resume.token_ids) if resume is not None else []
         seq = Sequence(self._next_seq_id, key, list(prompt_ids) + output_ids, len(prompt_ids), params,
-                       cache_salt=cache_salt, handoff=handoff, lora=adapter, priority=priority)
+                       cache_salt=cache_salt, handoff=handoff, lora=adapter, priority=priority, background=background)
         self._next_seq_id += 1
         if grammar is not None:
             self.guided.add(seq.seq_id, grammar)

@@ -20,6 +20,13 @@ the best waiting request cannot be admitted (no blocks, or max_num_seqs running)
 requests of a worse rank are preempted for it, the worst first; a preempted request waits
 in its own place in that order.
 
+Background requests (the Batch API's, Sequence.background) form a class below every online
+request under either policy: they wait behind every online request, their running steps
+come after the online ones' in the token budget, they take at most
+scheduler.background_max_seqs seats, and an online request that finds no room (no blocks, or
+no seat) preempts a running background request, the most recently admitted first, before
+any online one. They fill the capacity online traffic leaves idle and yield it back at once.
+
 Disaggregated decode (meshserve.engine.handoff): a request whose prompt another replica
 computes is admitted as any other, in order, but computes nothing: its blocks are reserved
 (those the prefix cache holds reused) and it waits in `receiving`, holding them, until its
@@ -62,12 +69,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int,
-                 loras: LoraRegistry | None = None, priority_aging: float | None = None):
+                 loras: LoraRegistry | None = None, priority_aging: float | None = None,
+                 background_max_seqs: int | None = None):
         """`loras`: the adapters served and their slots; a sequence takes its adapter's slot
         when admitted, and waits, in order, while every slot holds an adapter in use.
-        `priority_aging`: the priority policy's seconds per level of aging (None: fcfs)."""
+        `priority_aging`: the priority policy's seconds per level of aging (None: fcfs).
+        `background_max_seqs`: the most background sequences running at once (None:
+        max_num_seqs)."""
         self.blocks = block_manager
         self.priority_aging = priority_aging
+        self.background_max_seqs = max_num_seqs if background_max_seqs is None else background_max_seqs
+        self.num_background_running = 0
         self.loras = loras
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -78,10 +90,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         """Of those, the preemptions that made room for a request of a better rank."""
+        self.num_background_preemptions = 0
+        """And those of background requests that made room for an online one."""
 
-    def rank(self, seq: Sequence) -> tuple[float, int]:
-        """The priority policy's order (lower first): priority aged by arrival, then arrival."""
-        return seq.priority + seq.arrival_time / self.priority_aging, seq.seq_id
+    def rank(self, seq: Sequence) -> tuple[bool, float, int]:
+        """The priority policy's order (lower first): online before background, then
+        priority aged by arrival, then arrival."""
+        return seq.background, seq.priority + seq.arrival_time / self.priority_aging, seq.seq_id
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -91,7 +106,13 @@ class Scheduler:
         """Into the waiting queue: at its rank (priority policy), else at the back (a new
         request) or the front (a preempted one)."""
         if self.priority_aging is None:
-            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            if seq.background and not front:
+                self.waiting.append(seq)
+            elif not seq.background and front:
+                self.waiting.appendleft(seq)
+            else:  # the front of the background requests
+                at = next((i for i, other in enumerate(self.waiting) if other.background), len(self.waiting))
+                self.waiting.insert(at, seq)
             return
         rank = self.rank(seq)
         at = next((i for i, other in enumerate(self.waiting) if self.rank(other) > rank), len(self.waiting))
@@ -109,11 +130,11 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_batched_tokens
         cap = max_seqs or self.max_num_seqs
-        if self.priority_aging is not None:
-            self._make_room(busy, batch)
+        self._make_room(busy, batch)
         short = False
         """Blocks ran out for a running sequence this step."""
-        for seq in list(self.running):
+        running = self.running if not self.num_background_running else sorted(self.running, key=_is_background)
+        for seq in list(running):
             if budget <= 0 or len(batch) >= cap:
                 break
             if seq.status is not SeqStatus.RUNNING or (seq.seq_id in busy and seq.seq_id not in ahead):
@@ -143,6 +164,8 @@ class Scheduler:
             seq = self.waiting[0]
             if any(seq is p for p in batch.preempted):
                 break  # preempted this step to make room: not back in the same step
+            if seq.background and self.num_background_running >= self.background_max_seqs:
+                break
             if seq.handoff is not None and seq.handoff.role == ReplicaRole.DECODE and seq.num_preemptions == 0:
                 if not self._reserve(seq):
                     break
@@ -157,6 +180,7 @@ class Scheduler:
             self.blocks.admit(seq, cached, n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self.num_background_running += seq.background
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
@@ -196,29 +220,41 @@ class Scheduler:
         seq.token_ids.append(first_token)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        self.num_background_running += seq.background
 
     def _victim(self, busy: frozenset[int], batch: ScheduledBatch) -> Sequence | None:
         """The running sequence to preempt for blocks, neither in flight nor already in this
-        batch: the most recently admitted (fcfs), or the one of the worst rank (priority)."""
+        batch: a background one first; the most recently admitted (fcfs), or the one of the
+        worst rank (priority)."""
         free = (s for s in reversed(self.running) if s.seq_id not in busy and not any(b is s for b in batch.seqs))
-        if self.priority_aging is None:
+        if self.priority_aging is not None:
+            return max(free, key=self.rank, default=None)
+        if not self.num_background_running:
             return next(free, None)
-        return max(free, key=self.rank, default=None)
+        free = list(free)
+        return next((s for s in free if s.background), free[0] if free else None)
 
     def _make_room(self, busy: frozenset[int], batch: ScheduledBatch) -> None:
-        """Priority: while the best waiting sequence cannot be admitted, preempt the running
-        sequence of the worst rank, if that rank is worse than its."""
+        """While the best waiting sequence cannot be admitted, preempt a running one below it:
+        under priority, of the worst rank if that rank is worse than its; under fcfs, a
+        background sequence for an online one."""
+        if self.priority_aging is None and not self.num_background_running:
+            return
         while self.waiting and self.running:
             head = self.waiting[0]
             if head.handoff is not None or self._fits(head):
                 return
             victim = self._victim(busy, batch)
-            if victim is None or self.rank(victim) <= self.rank(head):
+            if victim is None or (self.rank(victim) <= self.rank(head) if self.priority_aging is not None
+                                  else head.background or not victim.background):
                 return
             self.running.remove(victim)
             self._preempt(victim)
             batch.preempted.append(victim)
-            self.num_priority_preemptions += 1
+            if victim.background:
+                self.num_background_preemptions += 1
+            else:
+                self.num_priority_preemptions += 1
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether waiting `seq` has a seat and the blocks of its first chunk now."""
@@ -229,6 +265,7 @@ class Scheduler:
         return self.blocks.can_admit(seq, cached, n)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_background_running -= seq.background
         self.blocks.release(seq)
         seq.draft = []
         seq.status = SeqStatus.WAITING
@@ -284,6 +321,7 @@ class Scheduler:
         """Remove `seq` from the queues and free its blocks (finished or aborted)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self.num_background_running -= seq.background
         elif seq.status is SeqStatus.RECEIVING:
             self.receiving.remove(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -293,3 +331,7 @@ class Scheduler:
             self.loras.release(seq.lora.key)
             seq.lora_slot = -1
         seq.status = SeqStatus.FINISHED
+
+
+def _is_background(seq: Sequence) -> bool:
+    return seq.background

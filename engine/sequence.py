@@ -41,6 +41,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     """Its request's priority (lower first) under scheduler.policy priority."""
+    background: bool = False
+    """A Batch API request: scheduled after every online request, and preempted first."""
     # Prefix caching (meshserve.engine.block_manager)
     cache_salt: str | None = None
     """Requests share cached blocks only with requests of the same salt (None: unsalted)."""

@@ -45,6 +45,8 @@ class AddCommand:
     """The LoRA adapter it runs with (its name); None: the base model."""
     priority: int = 0
     """Its rank under scheduler.policy priority (lower first)."""
+    background: bool = False
+    """A Batch API request: scheduled below every online request (engine/scheduler.py)."""
 
 
 @dataclass(frozen=True)

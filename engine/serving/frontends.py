@@ -64,7 +64,7 @@ def build_frontends(config: Config, info: ModelInfo, memory: MemoryPlan, tokeniz
                             cors_allowed_origins=server.cors_allowed_origins, grammars=grammars,
                             adapters=dict(config.lora.adapters) if config.lora.active else None,
                             max_stored_responses=server.responses.max_stored,
-                            reasoning_parser=server.reasoning_parser)
+                            reasoning_parser=server.reasoning_parser, batch=server.batch)
     except OSError:
         zmq.close()
         raise

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from meshserve.engine.serving.batch import BatchApi
 from meshserve.engine.serving.openai_generation import ClientDisconnected
 from meshserve.engine.serving.openai_protocol import IGNORED_HEADER, OpenAIError
 from meshserve.engine.serving.openai_serving import OpenAIServing
@@ -27,7 +28,11 @@ log = logging.getLogger("meshserve.engine.serving.http_frontend")
 
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
                  "/metrics", "/reset_prefix_cache", "/tokenize", "/detokenize", "/tokenizer_info", "/version",
-                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/files", "/v1/batches")
+UPLOAD_PATH = "/v1/files"
+"""The one path whose bodies may exceed MAX_BODY_BYTES: file uploads (server.batch.max_file_bytes)."""
+FORM_OVERHEAD = 1 << 20
+"""Room for a multipart form's own bytes around the file."""
 
 
 ADMIN_PREFIX = "/admin/"
@@ -35,7 +40,7 @@ ADMIN_PREFIX = "/admin/"
 
 
 class BodyTooLarge(Exception):
-    """A body sent without Content-Length (chunked) grew past MAX_BODY_BYTES while read."""
+    """A body sent without Content-Length (chunked) grew past its limit (the argument) while read."""
 
 
 class BodyTimeout(Exception):
@@ -49,8 +54,10 @@ class CountingApp:
     exception nobody handled with a 500 in OpenAI's shape."""
 
     def __init__(self, app, counter: Counter, api_key: str | None, open_paths: tuple[str, ...],
-                 read_timeout: float):
+                 read_timeout: float, max_upload_bytes: int = 0):
+        """`max_upload_bytes`: the largest file POSTed to /v1/files (0: none; the Batch API is off)."""
         self.app, self.counter, self.open_paths, self.read_timeout = app, counter, open_paths, read_timeout
+        self.max_upload = max_upload_bytes + FORM_OVERHEAD if max_upload_bytes else MAX_BODY_BYTES
         self._api_key = None if api_key is None else api_key.encode()
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
@@ -81,8 +88,9 @@ class CountingApp:
             return await JSONResponse(err.body(), err.status, headers={"WWW-Authenticate": "Bearer"})(
                 scope, receive, counting_send)
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            err = OpenAIError(413, f"the request body has {int(length)} bytes; the limit is {MAX_BODY_BYTES}",
+        limit = self.max_upload if scope["path"] == UPLOAD_PATH else MAX_BODY_BYTES
+        if length is not None and length.isdigit() and int(length) > limit:
+            err = OpenAIError(413, f"the request body has {int(length)} bytes; the limit is {limit}",
                               code="request_too_large")
             return await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
         received, body_done = 0, False
@@ -98,8 +106,8 @@ class CountingApp:
                 raise BodyTimeout() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > MAX_BODY_BYTES:
-                    raise BodyTooLarge()
+                if received > limit:
+                    raise BodyTooLarge(limit)
                 body_done = not message.get("more_body", False)
             return message
 
@@ -119,9 +127,11 @@ def internal_error(request_id: str) -> OpenAIError:
 
 
 def build_app(serving: OpenAIServing, health: Callable[[], tuple[int, dict]], models: Callable[[], dict[str, Any]],
-              reset_prefix_cache: Callable[[], Awaitable[dict[str, Any]]], registry: CollectorRegistry) -> FastAPI:
+              reset_prefix_cache: Callable[[], Awaitable[dict[str, Any]]], registry: CollectorRegistry,
+              batch: BatchApi | None = None) -> FastAPI:
     """The routes: OpenAI's and the tokenizer's from `serving`; /health, /v1/models,
-    /reset_prefix_cache and /metrics from the transport's handlers, given here."""
+    /reset_prefix_cache and /metrics from the transport's handlers, given here; the Files
+    and Batch APIs from `batch` (None: they answer 404, saying how to turn them on)."""
     app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve server")
     install_error_handlers(app)
 
@@ -148,6 +158,48 @@ def build_app(serving: OpenAIServing, health: Callable[[], tuple[int, dict]], mo
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):
         return serving.responses.delete(request, response_id)
+
+    def batches() -> BatchApi:
+        if batch is None:
+            raise OpenAIError(404, "the Batch API is off on this server: start it with server.batch.data_dir set",
+                              code="not_found")
+        return batch
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request):
+        return await batches().upload(request)
+
+    @app.get("/v1/files")
+    async def list_files(request: Request):
+        return batches().list_files(request)
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(request: Request, file_id: str):
+        return batches().retrieve_file(request, file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(request: Request, file_id: str):
+        return batches().file_content(request, file_id)
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(request: Request, file_id: str):
+        return batches().delete_file(request, file_id)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request):
+        return await batches().create(request)
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request):
+        return batches().list(request)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(request: Request, batch_id: str):
+        return batches().retrieve(request, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str):
+        return batches().cancel(request, batch_id)
 
     @app.get("/v1/models")
     async def list_models():
@@ -222,7 +274,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BodyTooLarge)
     async def _body_too_large(request: Request, exc: BodyTooLarge):
-        return error(OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"))
+        limit = exc.args[0] if exc.args else MAX_BODY_BYTES
+        return error(OpenAIError(413, f"the request body exceeds {limit} bytes", code="request_too_large"))
 
     @app.exception_handler(BodyTimeout)
     async def _body_timeout(request: Request, exc: BodyTimeout):

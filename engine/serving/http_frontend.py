@@ -28,14 +28,16 @@ import concurrent.futures
 import logging
 import socket
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import msgspec
 import uvicorn
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from meshserve.comm.messages import ErrorReply
-from meshserve.configs.schema import HttpLimits
+from meshserve.configs.schema import BatchConfig, HttpLimits
+from meshserve.engine.serving.batch import BatchApi, BatchRunner, FileStore, JobStore
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey, ResetPrefixCacheCommand
 from meshserve.engine.serving.lora_api import ServedAdapters
 from meshserve.engine.serving.http_app import CountingApp, build_app, with_cors
@@ -83,14 +85,15 @@ class HttpFrontend:
                  limits: HttpLimits | None = None, metrics_public: bool = False,
                  cors_allowed_origins: tuple[str, ...] | list[str] = ("*",), grammars: GrammarCompiler | None = None,
                  adapters: dict[str, str] | None = None, max_stored_responses: int = 1000,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, batch: BatchConfig | None = None):
         """`api_key`: every path but /health (and /metrics if `metrics_public`) needs
         `Authorization: Bearer <api_key>`. `cors_allowed_origins`: the web origins that may
         call the API from a browser ("*": any). `grammars`: compiles structured-output
         constraints (one is made if not given). `adapters`: the LoRA adapters served at start
         (name -> directory), where the server serves adapters (None: it serves none).
         `max_stored_responses`: the Responses API's store (server.responses.max_stored).
-        `reasoning_parser`: server.reasoning_parser."""
+        `reasoning_parser`: server.reasoning_parser. `batch`: server.batch (the Batch API,
+        on where its data_dir is set)."""
         limits = limits or HttpLimits()
         self.inbox = inbox
         self.model_name, self.max_model_len = model_name, max_model_len
@@ -113,14 +116,34 @@ class HttpFrontend:
         self.adapters = ServedAdapters(model_name, max_model_len, adapters, inbox) if adapters is not None else None
         self.serving = OpenAIServing(self, tokenizer, vocab_size, max_model_len, model_name, grammars, self.adapters,
                                      max_stored_responses, reasoning_parser)
-        self.app = build_app(self.serving, self.health, self.models, self.reset_prefix_cache, self.registry)
+        self.batch = self._batch_api(batch) if batch is not None and batch.data_dir is not None else None
+        self.app = build_app(self.serving, self.health, self.models, self.reset_prefix_cache, self.registry,
+                             self.batch)
         open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
-        app = with_cors(CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout),
+        app = with_cors(CountingApp(self.app, self._responses, api_key, open_paths, limits.read_timeout,
+                                    batch.max_file_bytes if self.batch is not None else 0),
                         list(cors_allowed_origins))
         self._server = uvicorn.Server(uvicorn.Config(
             app, http=limited_protocol(limits.max_connections, limits.read_timeout), log_level="warning",
             access_log=False, lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=limits.keep_alive))
         self._thread = threading.Thread(target=self._serve, name="meshserve-http", daemon=True)
+
+    def _batch_api(self, config: BatchConfig) -> BatchApi:
+        """The Files and Batch APIs on `config.data_dir`, with their runner (started with the
+        event loop) and metrics."""
+        root = Path(config.data_dir).expanduser()
+        files, jobs = FileStore(root / "files", config.max_file_bytes, config.max_files), JobStore(root / "batches")
+        runner = BatchRunner(jobs, files, self.serving.run_background, config.max_in_flight, config.max_requests,
+                             lambda: self.accepting)
+        states = Gauge("meshserve_batch_requests", "Batch API requests of unfinished jobs: queued (not yet handed to "
+                       "the engine) or running", ["state"], registry=self.registry)
+        states.labels("queued").set_function(lambda: runner.num_queued)
+        states.labels("running").set_function(lambda: runner.in_flight)
+        done = Gauge("meshserve_batch_requests_answered", "Batch API requests answered since the server started, by "
+                     "outcome (completed: 200; failed: in the job's error file)", ["outcome"], registry=self.registry)
+        done.labels("completed").set_function(lambda: runner.num_completed)
+        done.labels("failed").set_function(lambda: runner.num_failed)
+        return BatchApi(files, jobs, runner, self.max_model_len)
 
     # ------------------------------------------------------------------ EngineLink (event-loop thread)
 
@@ -175,6 +198,8 @@ class HttpFrontend:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
+        if self.batch is not None:  # the jobs a previous run left resume first
+            self._loop.call_soon(self.batch.runner.start)
         try:
             self._loop.run_until_complete(self._server.serve(sockets=[self._sock]))
             if not self.stopped:

@@ -68,12 +68,13 @@ class Samples:
         self._closed = False
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, cache_salt: str | None,
-               grammar: Grammar | None = None, lora: str | None = None, priority: int = 0) -> None:
+               grammar: Grammar | None = None, lora: str | None = None, priority: int = 0,
+               background: bool = False) -> None:
         index = len(self.keys)
         key = RequestKey(self.link.tag, self.request_id, f"{self.request_id}-{index}")
         self.keys.append(key)
         self.link.submit(AddCommand(key, key.request_id, prompt_ids, params, stream, cache_salt, grammar, lora=lora,
-                                    priority=priority),
+                                    priority=priority, background=background),
                          self.queue, index)
 
     def done(self, index: int, msg: Any) -> bool:

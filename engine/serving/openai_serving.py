@@ -102,7 +102,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ completions
 
-    async def completions(self, raw: Request) -> Response:
+    async def completions(self, raw: Request, background: bool = False) -> Response:
+        """POST /v1/completions; `background`: a Batch API request (below every online one)."""
         req = parse_body(await raw.body(), CompletionRequest, self.max_model_len)
         self._check_common(req)
         prompts = req.prompts()
@@ -124,7 +125,7 @@ class OpenAIServing:
         formatter = LogprobFormatter(self._token_text)
         shapes = CompletionShapes(formatter if req.logprobs is not None else None, context, formatter)
         grammar = await self._grammar(grammar_spec(req))
-        return await self._generate(req, raw, ids, params, shapes, grammar)
+        return await self._generate(req, raw, ids, params, shapes, grammar, background)
 
     async def _admit(self, prompt: str | list[int], params: SamplingParams, keep: int | None) -> tuple[list[int], bool]:
         """The prompt's token ids, checked once, as soon as they are known, and whether they
@@ -145,12 +146,26 @@ class OpenAIServing:
             raise from_request_error(e, "prompt") from None
         return ids, len(ids) < len(prompt)
 
+    async def run_background(self, url: str, body: bytes) -> tuple[int, dict]:
+        """One Batch API request: `body` POSTed to `url` (/v1/chat/completions or
+        /v1/completions) as a background request, answered whole: (status, JSON body)."""
+        handler = {"/v1/chat/completions": self.chat, "/v1/completions": self.completions}[url]
+        try:
+            if json.loads(body).get("stream"):
+                raise OpenAIError(400, "stream is not available in a batch: its answers are written whole",
+                                  param="stream", code="invalid_value")
+            response = await handler(internal_request(url, body), background=True)
+        except OpenAIError as e:
+            return e.status, e.body()
+        return response.status_code, json.loads(response.body)
+
     # ------------------------------------------------------------------ chat
 
-    async def chat(self, raw: Request) -> Response:
+    async def chat(self, raw: Request, background: bool = False) -> Response:
+        """POST /v1/chat/completions; `background`: a Batch API request (below every online one)."""
         req = parse_body(await raw.body(), ChatCompletionRequest, self.max_model_len)
         self._check_common(req)
-        return await self._generate(req, raw, *await self._prepare_chat(req))
+        return await self._generate(req, raw, *await self._prepare_chat(req), background=background)
 
     async def start_chat(self, req: ChatCompletionRequest, raw: Request) -> Generation:
         """A chat request another API translated (responses_api.py), submitted."""
@@ -232,7 +247,7 @@ class OpenAIServing:
             raise engine_error(e.code, e.message, e.param) from None
 
     async def _start(self, req, raw: Request, prompt_ids: list[list[int]], params: SamplingParams, shapes,
-                     grammar: Grammar | None = None) -> Generation:
+                     grammar: Grammar | None = None, background: bool = False) -> Generation:
         """Submit req.num_samples engine requests per prompt, each with its sample's seed
         (sample_params); wait for all their results (whole) or their first deltas (streamed,
         so an error still gets its status code)."""
@@ -244,7 +259,7 @@ class OpenAIServing:
         try:
             for ids in prompt_ids:  # sample index = prompt index * num_samples + j
                 for sample in per_sample:
-                    run.submit(ids, sample, req.stream, req.cache_salt, grammar, lora, req.priority)
+                    run.submit(ids, sample, req.stream, req.cache_salt, grammar, lora, req.priority, background)
             if req.stream:
                 gen.first = await first_replies(run)
             else:
@@ -258,9 +273,9 @@ class OpenAIServing:
         return gen
 
     async def _generate(self, req, raw: Request, prompt_ids: list[list[int]], params: SamplingParams, shapes,
-                        grammar: Grammar | None = None) -> Response:
+                        grammar: Grammar | None = None, background: bool = False) -> Response:
         """Answer with `shapes`' choices, whole or streamed."""
-        gen = await self._start(req, raw, prompt_ids, params, shapes, grammar)
+        gen = await self._start(req, raw, prompt_ids, params, shapes, grammar, background)
         headers = self._ignored_header(req)
         if not req.stream:
             return JSONResponse(whole(gen), headers=headers)
@@ -278,3 +293,21 @@ class OpenAIServing:
             log.warning("ignoring request fields this server does not know: %s (each logged once; the responses "
                         "name them in %s)", ", ".join(fresh), IGNORED_HEADER)
         return {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
+
+
+def internal_request(path: str, body: bytes) -> Request:
+    """A POST of `body` to `path` made inside the server (the Batch API's runner): its
+    client never goes away."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.get_running_loop().create_future()  # never resolved: no disconnect comes
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")],
+             "query_string": b""}
+    return Request(scope, receive)

@@ -168,8 +168,11 @@ class Server:
             self._add(cmd)
 
     def _add(self, cmd: AddCommand) -> None:
+        """Queue `cmd`'s request, unless too much waits already: online requests are bounded
+        by the online requests waiting (background ones, which the Batch API's runner bounds
+        itself, never crowd them out)."""
         try:
-            waiting = self.engine.scheduler.waiting
+            waiting = [] if cmd.background else [s for s in self.engine.scheduler.waiting if not s.background]
             if len(waiting) >= self.max_waiting:
                 raise RequestError("overloaded", f"{len(waiting)} requests are waiting "
                                                  f"(scheduler.max_waiting={self.max_waiting}); retry later")
@@ -180,7 +183,7 @@ class Server:
                                                  f"{adds} (scheduler.max_waiting_tokens="
                                                  f"{self.max_waiting_tokens}); retry later")
             self.engine.add_request(cmd.key, cmd.request_id, cmd.prompt_ids, cmd.params, cmd.stream, cmd.cache_salt,
-                                    cmd.grammar, cmd.handoff, cmd.resume, cmd.lora, cmd.priority)
+                                    cmd.grammar, cmd.handoff, cmd.resume, cmd.lora, cmd.priority, cmd.background)
         except RequestError as e:
             self.engine.handoffs.refused(cmd.handoff, len(cmd.prompt_ids))
             self.send(cmd.key, ErrorReply(cmd.request_id, e.code, e.message))

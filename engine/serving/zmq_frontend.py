@@ -276,7 +276,7 @@ class ZmqFrontend:
             self._failed.put((key.client, Delta(req.request_id, "", [], "abort", usage=Usage(len(ids), 0))))
             return
         self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt, grammar, req.handoff,
-                                  req.resume, req.lora, req.priority))
+                                  req.resume, req.lora, req.priority, req.background))
 
     def _admit(self, key: RequestKey, req: GenerateRequest, ids: list[int]) -> None:
         """A request of token ids, on the I/O thread (checking them is cheap)."""
@@ -286,7 +286,8 @@ class ZmqFrontend:
             self._reply_error(key.client, req.request_id, e.code, e.message)
             return
         self.inbox.put(AddCommand(key, req.request_id, ids, req.params, req.stream, req.cache_salt,
-                                  handoff=req.handoff, resume=req.resume, lora=req.lora, priority=req.priority))
+                                  handoff=req.handoff, resume=req.resume, lora=req.lora, priority=req.priority,
+                                  background=req.background))
 
     def _refuse(self, identity: bytes, frame: bytes | None, what: str) -> None:
         self._refused("refused an unauthenticated client frame (%s)", what)

@@ -88,6 +88,8 @@ class Req:
     two values, so prompts share prefixes, and blocks of the same tokens follow different ones."""
     salt: str | None = None
     priority: int = 0
+    background: bool = False
+    """A Batch API request (below every online one)."""
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,12 @@ class Scenario:
     how many of its tokens are right follow from the sequence and its length."""
     priority_aging: float | None = None
     """scheduler.policy priority, aging one level per this many steps (None: fcfs)."""
+    background_max_seqs: int | None = None
 
 
 @st.composite
 def scenarios(draw, allow_aborts: bool = True, prefix_caching: bool = False, speculate: bool = False,
-              priority: bool = False) -> Scenario:
+              priority: bool = False, background: bool = False) -> Scenario:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     num_blocks = draw(st.integers(1, 12))
     capacity = block_size * num_blocks
@@ -125,10 +128,12 @@ def scenarios(draw, allow_aborts: bool = True, prefix_caching: bool = False, spe
             prompt = tuple(draw(st.lists(st.integers(0, 1), min_size=prompt_len, max_size=prompt_len)))
             salt = draw(st.sampled_from([None, None, "a"]))
         reqs.append(Req(draw(st.integers(0, 8)), prompt_len, total - prompt_len, abort_after,
-                        draw(st.booleans()), prompt, salt, draw(st.integers(-2, 2)) if priority else 0))
+                        draw(st.booleans()), prompt, salt, draw(st.integers(-2, 2)) if priority else 0,
+                        draw(st.booleans()) if background else False))
     return Scenario(block_size, num_blocks, draw(st.integers(1, 5)), draw(st.integers(1, 24)), tuple(reqs),
                     prefix_caching, draw(st.integers(1, 5)) if speculate else 0,
-                    draw(st.sampled_from([1.0, 4.0, 1e9])) if priority else None)
+                    draw(st.sampled_from([1.0, 4.0, 1e9])) if priority else None,
+                    draw(st.none() | st.integers(1, 3)) if background else None)
 
 
 @dataclass
@@ -185,7 +190,8 @@ def propose(seq: Sequence, most: int, limit: int) -> list[int]:
 
 def simulate(sc: Scenario) -> Outcome:
     bm = BlockManager(sc.num_blocks, sc.block_size, prefix_caching=sc.prefix_caching)
-    sched = Scheduler(bm, sc.max_num_seqs, sc.max_batched_tokens, priority_aging=sc.priority_aging)
+    sched = Scheduler(bm, sc.max_num_seqs, sc.max_batched_tokens, priority_aging=sc.priority_aging,
+                      background_max_seqs=sc.background_max_seqs)
     kv: dict[int, tuple[int, int]] = {}
     """The "KV cache": slot -> (position, token) of what the ranks wrote there."""
     plans = PlanBuilder()
@@ -201,8 +207,8 @@ def simulate(sc: Scenario) -> Outcome:
     # Progress bound: the head of `running` is never preempted and computes >= 1 token per
     # step, so each request needs at most prompt + max_tokens steps at the head.
     bound = max(r.arrival for r in sc.reqs) + sum(r.prompt_len + r.max_tokens for r in sc.reqs) + len(sc.reqs) + 5
-    if sc.priority_aging is not None:  # the head may lose its place to a better rank: once per later arrival
-        bound *= len(sc.reqs) + 1
+    if sc.priority_aging is not None or any(r.background for r in sc.reqs):
+        bound *= len(sc.reqs) + 1  # the head may lose its place to a better rank: once per later arrival
     step = 0
 
     def expected_tokens(seq: Sequence, n_out: int) -> list[int]:
@@ -225,7 +231,8 @@ def simulate(sc: Scenario) -> Outcome:
             r = sc.reqs[i]
             seq_id = len(seqs)
             seq = Sequence(seq_id, i, prompt_of(r, seq_id), r.prompt_len, SamplingParams(max_tokens=r.max_tokens),
-                           cache_salt=r.salt, arrival_time=float(r.arrival), priority=r.priority)
+                           cache_salt=r.salt, arrival_time=float(r.arrival), priority=r.priority,
+                           background=r.background)
             seqs[seq_id] = seq
             arrival_rank[seq_id] = len(arrival_rank)
             sched.add(seq)
@@ -245,7 +252,7 @@ def simulate(sc: Scenario) -> Outcome:
             continue
 
         running_before = set(id(s) for s in sched.running)
-        priority_preemptions = sched.num_priority_preemptions
+        made_room_before = sched.num_priority_preemptions + sched.num_background_preemptions
         head = sched.waiting[0] if sched.waiting else None
         if sc.speculate:  # as Engine._draft: the running sequences with one token to compute
             for seq in sched.running:
@@ -268,8 +275,19 @@ def simulate(sc: Scenario) -> Outcome:
             assert victim.status is SeqStatus.WAITING and victim in sched.waiting
             assert victim.block_ids == [] and victim.num_computed == 0
             assert all(v is not victim for v in batch.seqs)
-        if len(batch.preempted) > sched.num_priority_preemptions - priority_preemptions:
+        made_room = sched.num_priority_preemptions + sched.num_background_preemptions - made_room_before
+        if len(batch.preempted) > made_room:
             assert not [s for s in sched.running if id(s) not in running_before], "admitted while preempting"
+        # background: at most its seats; one admitted only when no online request waits. A
+        # request preempted to make room only for a better rank (priority: online before
+        # background, then priority); under fcfs only a background one, for an online one.
+        assert sum(s.background for s in sched.running) == sched.num_background_running
+        assert sched.num_background_running <= sched.background_max_seqs
+        for victim in batch.preempted[:made_room]:
+            if sc.priority_aging is None:
+                assert victim.background and not head.background
+            else:
+                assert sched.rank(victim) > sched.rank(head), "preempted for a request of no better rank"
         for seq, n in zip(batch.seqs, batch.num_new):
             assert seq.status is SeqStatus.RUNNING
             assert n <= seq.num_uncomputed + len(seq.draft)
@@ -277,13 +295,20 @@ def simulate(sc: Scenario) -> Outcome:
             # enough blocks for the tokens scheduled this step, and not more
             assert len(seq.block_ids) == ceil_div(seq.num_computed + n, sc.block_size)
         admitted = [s for s in sched.running if id(s) not in running_before]
+        for s in admitted:
+            assert not s.background or all(w.background for w in sched.waiting), "background admitted first"
         if sc.priority_aging is None:
-            # FCFS: running (in admission order) then waiting is in arrival order, so nothing
-            # was admitted ahead of an earlier arrival still waiting.
-            ranks = [arrival_rank[s.seq_id] for s in live()]
-            assert ranks == sorted(ranks), f"not first-come first-served: {ranks}"
-            for s in admitted:
-                assert all(arrival_rank[w.seq_id] > arrival_rank[s.seq_id] for w in sched.waiting)
+            # FCFS: per class, running (in admission order) then waiting is in arrival order,
+            # so nothing was admitted ahead of an earlier arrival of its class still waiting;
+            # online requests wait ahead of background ones.
+            for cls in (False, True):
+                ranks = [arrival_rank[s.seq_id] for s in live() if s.background == cls]
+                assert ranks == sorted(ranks), f"not first-come first-served: {ranks}"
+                for s in admitted:
+                    assert all(arrival_rank[w.seq_id] > arrival_rank[s.seq_id] for w in sched.waiting
+                               if w.background == s.background)
+            classes = [w.background for w in sched.waiting]
+            assert classes == sorted(classes), "a background request waits ahead of an online one"
         else:
             # priority: the waiting queue in rank order, nothing admitted ahead of a better
             # rank still waiting, and a request preempted for another only by a better rank
@@ -291,8 +316,6 @@ def simulate(sc: Scenario) -> Outcome:
             assert ranks == sorted(ranks), f"waiting out of rank order: {ranks}"
             for s in admitted:
                 assert all(sched.rank(w) > sched.rank(s) for w in sched.waiting)
-            for victim in batch.preempted[:sched.num_priority_preemptions - priority_preemptions]:
-                assert sched.rank(victim) > sched.rank(head), "preempted for a request of no better rank"
         for s in sched.waiting:
             assert s.block_ids == [] and s.status is SeqStatus.WAITING
         check_blocks(bm, live(), list(finished.values()) + list(aborted.values()))
@@ -425,6 +448,15 @@ def test_engine_loop_invariants_with_speculation(sc):
     caching: the ranks' mirrors follow the driver's computed counts and block tables, each
     step reads only the K/V of accepted tokens (never a rejected draft's), the blocks only
     rejected drafts used are given back, and no draft token reaches the prefix cache."""
+    check_outcome(sc, simulate(sc))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.booleans().flatmap(lambda both: scenarios(prefix_caching=both, priority=not both, background=True)))
+def test_engine_loop_invariants_with_background_requests(sc):
+    """Batch API requests beside online ones, under fcfs (with prefix caching) and priority,
+    with a seat limit: online requests wait ahead of them and preempt them for room, each
+    class keeps its order, blocks are conserved, every request ends with its tokens."""
     check_outcome(sc, simulate(sc))
 
 

@@ -300,7 +300,8 @@ class FrontDoor:
             params = msgspec.structs.replace(params, prompt_logprobs=None)
         self.links[route.replica].send(GenerateRequest(link_id, prompt_token_ids=cmd.prompt_ids, params=params,
                                                        stream=True, cache_salt=cmd.cache_salt, constraint=grammar,
-                                                       handoff=handoff, resume=resume, lora=cmd.lora))
+                                                       handoff=handoff, resume=resume, lora=cmd.lora,
+                                                       priority=cmd.priority, background=cmd.background))
 
     # ------------------------------------------------------------------ disaggregated prefill/decode
 
@@ -345,7 +346,7 @@ class FrontDoor:
         handoff = KvHandoff(p.transfer, p.replica, ReplicaRole.PREFILL, first_block)
         self.links[p.prefill].send(GenerateRequest(link_id, prompt_token_ids=cmd.prompt_ids, params=cmd.params,
                                                    stream=False, cache_salt=cmd.cache_salt, constraint=grammar,
-                                                   handoff=handoff))
+                                                   handoff=handoff, priority=cmd.priority, background=cmd.background))
         if p.aborted:  # after the reservation: the prefill replica ends the receives it posted (with zeros)
             self.links[p.prefill].abort(link_id)
 
