@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token_ids)")
 
+    p = sub.add_parser("run-batch", help="answer a Batch API input file (OpenAI's JSONL) offline, as vLLM's "
+                                         "run-batch does")
+    _add_config_args(p)
+    p.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl",
+                   help="requests, one per line: {custom_id, method: POST, url, body}")
+    p.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
+                   help="answers, one per line: {id, custom_id, response: {status_code, request_id, body}, error}")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+
     p = sub.add_parser("check", help="validate a config and print the resolved config and memory plan")
     _add_config_args(p)
 
@@ -299,6 +308,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _run(args, lambda: GenerateMode(args.prompt, params, args.chat, args.json))
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from meshserve.launcher.run_batch import RunBatchMode, private_settings
+
+    workdir = None
+    if not args.as_rank:  # the ranks it starts get the same settings through their arguments
+        settings, workdir = private_settings()
+        for setting in settings:
+            args.overrides.append(setting)
+            args.argv = [*args.argv, "--set", setting]
+    return _run(args, lambda: RunBatchMode(args.input_file, args.output_file, workdir, args.drain_timeout))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from meshserve.client.bench import run  # client-side code: httpx, no torch
 
@@ -329,7 +350,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"admin": cmd_admin, "router": cmd_router, "serve": cmd_serve, "worker": cmd_worker, "generate": cmd_generate, "check": cmd_check,
-            "advise": cmd_advise, "bench": cmd_bench}
+            "advise": cmd_advise, "bench": cmd_bench, "run-batch": cmd_run_batch}
 
 
 def main(argv: list[str] | None = None) -> int:

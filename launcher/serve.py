@@ -59,6 +59,7 @@ class ServeMode:
         print(ready_line(frontends.zmq.address, frontends.http_address, self.config), flush=True)
         if membership is not None:
             membership.start()
+        self.started(server)
         try:
             server.run(self.drain_timeout)
         finally:
@@ -68,6 +69,9 @@ class ServeMode:
             frontends.close()
         log.info("stopped after %d steps, %d requests", engine.stats.steps, engine.stats.finished)
         return 1 if server.stop_now.is_set() else 0
+
+    def started(self, server: Server) -> None:
+        """Called once the server is built, before it serves (a mode built on this one acts here)."""
 
     def _membership(self, engine: Engine, server: Server):
         """With router.join: this replica's membership of a `meshserve router` (not started)."""

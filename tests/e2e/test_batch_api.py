@@ -3,19 +3,23 @@
 answer what the same request gets online (greedy); bad lines fail the job before anything
 runs and bad requests land in the error file; another API key sees none of it; cancel; and
 a server killed mid-job and started again on the same directory finishes the job with
-every request answered exactly once."""
+every request answered exactly once. `meshserve run-batch` answers a file offline over two pipeline stages as
+transformers does."""
 
 from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from support.server import http_server, openai_client
+from support.reference import hf_greedy
+from support.server import EXACT, http_server, openai_client
 
 MODEL = "smollm2-135m-instruct"
 SETTINGS = ("model.max_model_len=512", "cache.memory=32MiB")
@@ -136,3 +140,28 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart_answering_each_re
             online = oai.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
                                             extra_body={"ignore_eos": True}).choices[0].text
             assert answers[cid]["response"]["body"]["choices"][0]["text"] == online
+
+
+def test_run_batch_answers_a_file_offline_over_two_pipeline_stages_as_transformers(tmp_path, smollm2_reference):
+    prompts = [[1, 504, 3458, 28, 253], [1, 18, 1392, 314, 253, 3401], [1, 357]]
+    requests = [(f"p{i}", "/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0,
+                                              "return_token_ids": True}) for i, ids in enumerate(prompts)]
+    requests.append(("chat", "/v1/chat/completions", chat_body(3)))
+    requests.append(("too-long", "/v1/completions", {"prompt": "x", "max_tokens": 10 ** 6}))
+    (tmp_path / "in.jsonl").write_bytes(lines(requests))
+    out = subprocess.run([sys.executable, "-m", "meshserve.launcher.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"),
+                          "-o", str(tmp_path / "out.jsonl"), "--set", EXACT, "--set", "parallel.pipeline=2",
+                          "--set", "cache.memory=32MiB", "--set", "model.max_model_len=512"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    answers = {}
+    for line in (tmp_path / "out.jsonl").read_text().splitlines():
+        item = json.loads(line)
+        assert item["custom_id"] not in answers
+        answers[item["custom_id"]] = item["response"]
+    assert set(answers) == {cid for cid, _, _ in requests}
+    for i, ids in enumerate(prompts):
+        assert answers[f"p{i}"]["body"]["choices"][0]["token_ids"] == hf_greedy(smollm2_reference, ids, 8)
+    assert answers["chat"]["status_code"] == 200 and answers["chat"]["body"]["choices"][0]["message"]["content"]
+    assert answers["too-long"]["status_code"] == 400
+    assert "4 completed, 1 failed" in out.stderr

@@ -5,6 +5,7 @@ block no checker knows, so a new snippet needs a check too):
 - the two set-up commands: the test command is .ci/run's, and the serve command's
   `meshserve serve` is what the `served` fixture runs, verbatim, on its default addresses;
 - Python snippets run in a subprocess against that server and must print what they promise;
+  the Batch API's, against a server with server.batch.data_dir;
 - `meshserve serve ...` lines are checked with `meshserve check` and the same arguments
   (what serve validates before it starts anything); other `meshserve` lines run verbatim;
   lines of other launchers (torchrun, mpirun, deepspeed) have their config checked the same;
@@ -74,6 +75,8 @@ def kind(lang: str, body: str) -> str:
         return "synopsis"
     if lang == "yaml":
         return "reference"
+    if lang == "python" and "client.batches" in body:
+        return "batch"
     if lang == "python":
         return "python"
     if lang == "bash" and body.startswith('pip install -e ".[gpu]"'):
@@ -90,7 +93,7 @@ def kind(lang: str, body: str) -> str:
 def test_every_block_is_checked():
     kinds = [kind(lang, body) for lang, body in BLOCKS]
     assert "unknown" not in kinds, [b[:80] for (_, b), k in zip(BLOCKS, kinds) if k == "unknown"]
-    assert {"picture", "synopsis", "reference", "python", "setup", "bench", "commands", "gpu"} <= set(kinds)
+    assert {"picture", "synopsis", "reference", "python", "setup", "bench", "commands", "gpu", "batch"} <= set(kinds)
 
 
 def blocks(k: str) -> list[str]:
@@ -129,7 +132,7 @@ def test_the_synopsis_names_only_real_flags():
     sub = next(a for a in parser._actions if a.dest == "command").choices
     command = None
     for line in blocks("synopsis")[0].splitlines():
-        m = re.match(r"meshserve (\w+)", line)
+        m = re.match(r"meshserve ([\w-]+)", line)
         command = m.group(1) if m else command  # a continuation line keeps its command
         known = {s for a in sub[command]._actions for s in a.option_strings}
         for flag in re.findall(r"\[(--?[a-z][\w-]*)", line):
@@ -204,6 +207,24 @@ def test_the_python_snippets_run_and_print_what_they_promise(served, tmp_path):
         for text in promised:
             assert text in out.stdout, f"{name} printed:\n{out.stdout}"
     assert len(blocks("python")) == 2
+
+
+@pytest.mark.slow
+def test_the_batch_snippet_runs_a_job(tmp_path):
+    from support.server import http_server
+
+    (code,) = blocks("batch")
+    example = [json.loads(line) for line in (REPO / "configs" / "batch_example.jsonl").read_text().splitlines()]
+    chat = [line for line in example if line["url"] == "/v1/chat/completions"]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in chat))
+    with http_server(tmp_path, f"server.batch.data_dir={tmp_path / 'data'}") as (_, url):
+        (tmp_path / "snippet_batch.py").write_text(code.replace("http://127.0.0.1:8000", url))
+        out = subprocess.run([sys.executable, "snippet_batch.py"], capture_output=True, text=True, timeout=TIMEOUT,
+                             cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts, *answers = out.stdout.strip().splitlines()
+    assert f"completed={len(chat)}" in counts and len(answers) == len(chat), out.stdout
+    assert all(json.loads(a)["response"]["status_code"] == 200 for a in answers)
 
 
 BENCH_SMALLER = {"--num-prompts": "4", "--input-len": "16", "--output-len": "8"}

@@ -106,24 +106,29 @@ class BatchApi:
 
     async def create(self, raw: Request) -> dict[str, Any]:
         req = parse_body(await raw.body(), CreateBatch, self.max_model_len)
-        owner = _owner(raw)
-        if req.endpoint not in ENDPOINTS:
-            raise OpenAIError(400, f"endpoint {req.endpoint[:64]!r}: a batch's requests go to one of "
+        return self.submit(_owner(raw), req.input_file_id, req.endpoint, req.completion_window, req.metadata).public()
+
+    def submit(self, owner: str, input_file_id: str, endpoint: str, completion_window: str = "24h",
+               metadata: dict[str, str] | None = None) -> JobRecord:
+        """A new job of `owner`'s file `input_file_id`, queued for the runner; OpenAIError
+        (400) naming what is wrong."""
+        if endpoint not in ENDPOINTS:
+            raise OpenAIError(400, f"endpoint {endpoint[:64]!r}: a batch's requests go to one of "
                                    f"{', '.join(ENDPOINTS)}", param="endpoint", code="invalid_value")
-        window = WINDOWS.get(req.completion_window)
+        window = WINDOWS.get(completion_window)
         if window is None:
             raise OpenAIError(400, f"completion_window must be one of {', '.join(WINDOWS)}",
                               param="completion_window", code="invalid_value")
-        source = self.files.get(owner, req.input_file_id)
+        source = self.files.get(owner, input_file_id)
         if source is None or source.purpose != "batch":
-            raise OpenAIError(400, f"input_file_id {req.input_file_id!r} is no file of purpose batch of this API key",
+            raise OpenAIError(400, f"input_file_id {input_file_id!r} is no file of purpose batch of this API key",
                               param="input_file_id", code="invalid_value")
         now = int(time.time())
-        job = JobRecord("batch_" + uuid.uuid4().hex, owner, req.endpoint, source.id, req.completion_window, now,
-                        now + window, metadata=req.metadata)
+        job = JobRecord("batch_" + uuid.uuid4().hex, owner, endpoint, source.id, completion_window, now,
+                        now + window, metadata=metadata)
         self.jobs.save(job)
         self.runner.poke()
-        return job.public()
+        return job
 
     def _job(self, raw: Request, batch_id: str) -> JobRecord:
         job = self.jobs.get(_owner(raw), batch_id)

@@ -72,8 +72,12 @@ class FileStore:
     def path(self, file_id: str) -> Path:
         return self.root / f"{file_id}.data"
 
+    def _all(self) -> list[FileRecord]:
+        with self._lock:
+            return list(self._records.values())
+
     def count(self, owner: str) -> int:
-        return sum(r.owner == owner for r in self._records.values())
+        return sum(r.owner == owner for r in self._all())
 
     def _room(self, owner: str) -> None:
         if self.count(owner) >= self.max_files:
@@ -82,8 +86,7 @@ class FileStore:
 
     def create(self, owner: str, filename: str, purpose: str, source: BinaryIO) -> FileRecord:
         """Store what `source` holds (read in chunks, refused past max_file_bytes)."""
-        with self._lock:
-            self._room(owner)
+        self._room(owner)
         file_id = "file-" + uuid.uuid4().hex
         tmp = self.root / f"{file_id}.data.tmp"
         size = 0
@@ -123,7 +126,7 @@ class FileStore:
 
     def list(self, owner: str, purpose: str | None = None) -> list[FileRecord]:
         """`owner`'s files, newest first."""
-        mine = [r for r in self._records.values() if r.owner == owner and purpose in (None, r.purpose)]
+        mine = [r for r in self._all() if r.owner == owner and purpose in (None, r.purpose)]
         return sorted(mine, key=lambda r: (r.created_at, r.id), reverse=True)
 
     def delete(self, owner: str, file_id: str) -> bool:

@@ -124,14 +124,18 @@ class JobStore:
         job = self.jobs.get(job_id)
         return job if job is not None and job.owner == owner else None
 
+    def _all(self) -> list[JobRecord]:
+        with self._lock:  # jobs are added from other threads (`meshserve run-batch`'s)
+            return list(self.jobs.values())
+
     def list(self, owner: str) -> list[JobRecord]:
         """`owner`'s jobs, newest first."""
-        mine = [j for j in self.jobs.values() if j.owner == owner]
+        mine = [j for j in self._all() if j.owner == owner]
         return sorted(mine, key=lambda j: (j.created_at, j.id), reverse=True)
 
     def unfinished(self) -> list[JobRecord]:
         """Jobs to run or resume, oldest first."""
-        return sorted((j for j in self.jobs.values() if j.status in UNFINISHED), key=lambda j: (j.created_at, j.id))
+        return sorted((j for j in self._all() if j.status in UNFINISHED), key=lambda j: (j.created_at, j.id))
 
     def journal(self, job: JobRecord, kind: Literal["output", "errors"]) -> Journal:
         return Journal(self.root / f"{job.id}.{kind}.jsonl")
