@@ -186,6 +186,18 @@ class SchedulerConfig(Section):
     """Most background requests (the Batch API's) running at once, so that a batch leaves
     room and step time to online traffic; null: max_num_seqs. They are scheduled below every
     online request and preempted first whatever this is."""
+    background_share: Annotated[float, Field(ge=0, le=1)] | None = 0.0
+    """While any online request runs or waits, a step gives background requests (their
+    decodes and prefill chunks) at most this share of the tokens it gives online ones (at
+    least one token, if above 0). 0: they run only in steps with no online work, the
+    capacity online traffic leaves idle (on a CPU, where a step's time grows with every
+    token in it, any share slows the online requests by about as much); null: no share
+    limit. On a GPU, where a decode step's time hardly grows with its tokens, a share costs
+    the online requests little."""
+    background_step_tokens: PositiveInt | None = 32
+    """Most tokens background requests take in any step: an online request that arrives
+    while such a step runs waits for it, so this bounds what a batch job adds to the time to
+    first token (null: the step's budget, max_batched_tokens). Raise it on a GPU."""
     max_waiting: PositiveInt = 4096
     """Most requests queued before admission refuses new ones."""
     max_waiting_tokens: PositiveInt = 1 << 20

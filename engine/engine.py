@@ -118,7 +118,8 @@ class Engine:
         self.loras = loras
         self.scheduler = Scheduler(blocks, scheduler.max_num_seqs, scheduler.max_batched_tokens, loras,
                                    scheduler.priority_aging if scheduler.policy == "priority" else None,
-                                   scheduler.background_max_seqs)
+                                   scheduler.background_max_seqs, scheduler.background_share,
+                                   scheduler.background_step_tokens)
         self.plans = PlanBuilder()
         self.handoffs = Handoffs(role, memory.block_size)
         self._events: list[tuple[Hashable, object]] = []

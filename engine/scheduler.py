@@ -21,11 +21,13 @@ requests of a worse rank are preempted for it, the worst first; a preempted requ
 in its own place in that order.
 
 Background requests (the Batch API's, Sequence.background) form a class below every online
-request under either policy: they wait behind every online request, their running steps
-come after the online ones' in the token budget, they take at most
-scheduler.background_max_seqs seats, and an online request that finds no room (no blocks, or
-no seat) preempts a running background request, the most recently admitted first, before
-any online one. They fill the capacity online traffic leaves idle and yield it back at once.
+request under either policy: they wait behind every online request, they get a step's tokens
+after the online ones and, while any online request runs or waits, at most
+scheduler.background_share of the online tokens (so a step takes that much longer at most),
+never more than scheduler.background_step_tokens in a step (an online request that arrives
+waits for at most such a step), they take at most scheduler.background_max_seqs seats, and an online request that finds no
+room (no blocks, or no seat) preempts a running background request, the most recently
+admitted first, before any online one.
 
 Disaggregated decode (meshserve.engine.handoff): a request whose prompt another replica
 computes is admitted as any other, in order, but computes nothing: its blocks are reserved
@@ -70,16 +72,22 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int,
                  loras: LoraRegistry | None = None, priority_aging: float | None = None,
-                 background_max_seqs: int | None = None):
+                 background_max_seqs: int | None = None, background_share: float | None = None,
+                 background_step_tokens: int | None = None):
         """`loras`: the adapters served and their slots; a sequence takes its adapter's slot
         when admitted, and waits, in order, while every slot holds an adapter in use.
         `priority_aging`: the priority policy's seconds per level of aging (None: fcfs).
         `background_max_seqs`: the most background sequences running at once (None:
-        max_num_seqs)."""
+        max_num_seqs). `background_share`: while any online sequence runs or waits, a step gives
+        background sequences at most this share of its online tokens (at least one token
+        if above 0; 0: none; None: no share limit). `background_step_tokens`: the most tokens
+        of any step background sequences take (None: the step's budget)."""
         self.blocks = block_manager
         self.priority_aging = priority_aging
         self.background_max_seqs = max_num_seqs if background_max_seqs is None else background_max_seqs
         self.num_background_running = 0
+        self.background_share = background_share
+        self.background_step_tokens = background_step_tokens or max_batched_tokens
         self.loras = loras
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -134,14 +142,22 @@ class Scheduler:
         short = False
         """Blocks ran out for a running sequence this step."""
         running = self.running if not self.num_background_running else sorted(self.running, key=_is_background)
+        background_left: int | None = None
+        """Background tokens this step may still take (set at the first background sequence,
+        when the online sequences, which come first, have theirs)."""
         for seq in list(running):
             if budget <= 0 or len(batch) >= cap:
                 break
             if seq.status is not SeqStatus.RUNNING or (seq.seq_id in busy and seq.seq_id not in ahead):
                 continue  # preempted a moment ago, or in flight
-            n = min(seq.num_uncomputed + len(seq.draft), budget)
+            if seq.background and background_left is None:
+                background_left = self._background_budget(self.max_batched_tokens - budget)
+            most = min(budget, background_left) if seq.background else budget
+            if most <= 0:
+                continue  # a background sequence holds its blocks and waits for a step with room
+            n = min(seq.num_uncomputed + len(seq.draft), most)
             if seq.draft and not self.blocks.can_grow(seq, n):
-                n = min(seq.num_uncomputed, budget)  # drafts never cost another sequence its blocks
+                n = min(seq.num_uncomputed, most)  # drafts never cost another sequence its blocks
             del seq.draft[max(0, n - seq.num_uncomputed):]
             while not self.blocks.can_grow(seq, n):
                 victim = self._victim(busy, batch)
@@ -158,13 +174,18 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new.append(n)
                 budget -= n
+                if seq.background:
+                    background_left -= n
         # Admit only when no running sequence was preempted for blocks: memory is short this step.
         while (not short and self.waiting and budget > 0 and len(batch) < cap
                and len(self.running) + len(self.receiving) < self.max_num_seqs):
             seq = self.waiting[0]
             if any(seq is p for p in batch.preempted):
                 break  # preempted this step to make room: not back in the same step
-            if seq.background and self.num_background_running >= self.background_max_seqs:
+            if seq.background and background_left is None:
+                background_left = self._background_budget(self.max_batched_tokens - budget)
+            if seq.background and (self.num_background_running >= self.background_max_seqs
+                                   or background_left <= 0):
                 break
             if seq.handoff is not None and seq.handoff.role == ReplicaRole.DECODE and seq.num_preemptions == 0:
                 if not self._reserve(seq):
@@ -173,7 +194,8 @@ class Scheduler:
                 continue
             # a request that asks for prompt logprobs computes its whole prompt: they come from it
             cached = self.blocks.match(seq) if seq.params.prompt_logprobs is None else []
-            n = min(seq.num_tokens - len(cached) * self.blocks.unit, budget)
+            n = min(seq.num_tokens - len(cached) * self.blocks.unit, budget,
+                    background_left if seq.background else budget)
             if not self.blocks.can_admit(seq, cached, n) or not self._place_adapter(seq, batch):
                 break
             self.waiting.popleft()
@@ -184,7 +206,23 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
+            if seq.background:
+                background_left -= n
         return batch
+
+    def _background_budget(self, online_tokens: int) -> int:
+        """The tokens this step may give background sequences, `online_tokens` given to online
+        ones: at most background_step_tokens, which bounds how long an online request that
+        arrives meanwhile waits for the step; and while an online sequence runs or waits,
+        background_share of the online tokens (at least one with a share above 0), which
+        bounds what background work adds to the step's time."""
+        if self.background_share is None:
+            return self.background_step_tokens
+        online = len(self.running) > self.num_background_running or (self.waiting and not self.waiting[0].background)
+        if not online:
+            return self.background_step_tokens
+        share = max(1, int(self.background_share * online_tokens)) if self.background_share > 0 else 0
+        return min(share, self.background_step_tokens)
 
     def _place_adapter(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Give `seq` its adapter's slot (kept through preemption); False if none is free."""

@@ -106,6 +106,7 @@ class Scenario:
     priority_aging: float | None = None
     """scheduler.policy priority, aging one level per this many steps (None: fcfs)."""
     background_max_seqs: int | None = None
+    background_share: float | None = None
 
 
 @st.composite
@@ -133,7 +134,8 @@ def scenarios(draw, allow_aborts: bool = True, prefix_caching: bool = False, spe
     return Scenario(block_size, num_blocks, draw(st.integers(1, 5)), draw(st.integers(1, 24)), tuple(reqs),
                     prefix_caching, draw(st.integers(1, 5)) if speculate else 0,
                     draw(st.sampled_from([1.0, 4.0, 1e9])) if priority else None,
-                    draw(st.none() | st.integers(1, 3)) if background else None)
+                    draw(st.none() | st.integers(1, 3)) if background else None,
+                    draw(st.sampled_from([None, 0.0, 0.1, 0.5])) if background else None)
 
 
 @dataclass
@@ -191,7 +193,7 @@ def propose(seq: Sequence, most: int, limit: int) -> list[int]:
 def simulate(sc: Scenario) -> Outcome:
     bm = BlockManager(sc.num_blocks, sc.block_size, prefix_caching=sc.prefix_caching)
     sched = Scheduler(bm, sc.max_num_seqs, sc.max_batched_tokens, priority_aging=sc.priority_aging,
-                      background_max_seqs=sc.background_max_seqs)
+                      background_max_seqs=sc.background_max_seqs, background_share=sc.background_share)
     kv: dict[int, tuple[int, int]] = {}
     """The "KV cache": slot -> (position, token) of what the ranks wrote there."""
     plans = PlanBuilder()
@@ -283,6 +285,12 @@ def simulate(sc: Scenario) -> Outcome:
         # background, then priority); under fcfs only a background one, for an online one.
         assert sum(s.background for s in sched.running) == sched.num_background_running
         assert sched.num_background_running <= sched.background_max_seqs
+        online = [s for s in sched.running if not s.background and id(s) in running_before] or [
+            s for s in sched.waiting if not s.background]
+        if sc.background_share is not None and online:
+            spent = sum(n for s, n in zip(batch.seqs, batch.num_new) if s.background)
+            share = sum(n for s, n in zip(batch.seqs, batch.num_new) if not s.background) * sc.background_share
+            assert spent <= (max(1, int(share)) if sc.background_share else 0), "background took more than its share"
         for victim in batch.preempted[:made_room]:
             if sc.priority_aging is None:
                 assert victim.background and not head.background

@@ -71,19 +71,22 @@ class JobRecord(msgspec.Struct):
 
 
 class Journal:
-    """A job's output or error lines: appended and synced one at a time."""
+    """A job's output or error lines: appended and synced one at a time (from any thread)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.done = recover(path)
         """custom_id of each request with a whole line here."""
         self._file = open(path, "ab")
+        self._lock = threading.Lock()
 
     def append(self, custom_id: str, line: dict[str, Any]) -> None:
-        self._file.write(msgspec.json.encode(line) + b"\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self.done.add(custom_id)
+        data = msgspec.json.encode(line) + b"\n"
+        with self._lock:
+            self._file.write(data)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self.done.add(custom_id)
 
     def close(self) -> None:
         self._file.close()

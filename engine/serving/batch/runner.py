@@ -193,15 +193,15 @@ class BatchRunner:
                 finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 tasks -= finished
                 stopped |= not all(t.cancelled() or t.result() for t in finished)
-            if time.monotonic() - saved > SAVE_EVERY:
-                self.jobs.save(job)
+            if time.monotonic() - saved > SAVE_EVERY:  # off the event loop: a save syncs the disk
+                await asyncio.to_thread(self.jobs.save, job)
                 saved = time.monotonic()
             if stopped or job.status == "cancelling":
                 break
             if time.time() >= job.expires_at:
                 for late in pending[index:]:
-                    self._journal(job, errors, late, None, {"code": "batch_expired", "message":
-                                  "the job's completion window ended before this request ran"})
+                    await self._journal(job, errors, late, None, {"code": "batch_expired", "message":
+                                        "the job's completion window ended before this request ran"})
                 job.mark("expired")
                 break
             tasks.add(asyncio.get_running_loop().create_task(self._one(job, line, output, errors)))
@@ -230,13 +230,17 @@ class BatchRunner:
                 break
         finally:
             self.in_flight -= 1
-        self._journal(job, output if status == 200 else errors, line,
-                      {"status_code": status, "request_id": body.get("id") or uuid.uuid4().hex, "body": body}, None)
+        await self._journal(job, output if status == 200 else errors, line,
+                            {"status_code": status, "request_id": body.get("id") or uuid.uuid4().hex, "body": body},
+                            None)
         return True
 
-    def _journal(self, job: JobRecord, journal: Journal, line: Line, response: dict | None, error: dict | None) -> None:
-        journal.append(line.custom_id, {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-                                        "response": response, "error": error})
+    async def _journal(self, job: JobRecord, journal: Journal, line: Line, response: dict | None,
+                       error: dict | None) -> None:
+        """One answer into its journal, synced (on a thread: the event loop serves online
+        requests meanwhile), then counted."""
+        await asyncio.to_thread(journal.append, line.custom_id, {
+            "id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": response, "error": error})
         if response is not None and response["status_code"] == 200:
             job.request_counts.completed += 1
             self.num_completed += 1
