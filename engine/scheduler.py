@@ -25,9 +25,9 @@ request under either policy: they wait behind every online request, they get a s
 after the online ones and, while any online request runs or waits, at most
 scheduler.background_share of the online tokens (so a step takes that much longer at most),
 never more than scheduler.background_step_tokens in a step (an online request that arrives
-waits for at most such a step), they take at most scheduler.background_max_seqs seats, and an online request that finds no
-room (no blocks, or no seat) preempts a running background request, the most recently
-admitted first, before any online one.
+waits for at most such a step), they take at most scheduler.background_max_seqs seats, and
+an online request that finds no room (no blocks, or no seat) preempts a running background
+request, the most recently admitted first, before any online one.
 
 Disaggregated decode (meshserve.engine.handoff): a request whose prompt another replica
 computes is admitted as any other, in order, but computes nothing: its blocks are reserved
@@ -145,7 +145,7 @@ class Scheduler:
         background_left: int | None = None
         """Background tokens this step may still take (set at the first background sequence,
         when the online sequences, which come first, have theirs)."""
-        for seq in list(running):
+        for seq in running if running is not self.running else list(running):
             if budget <= 0 or len(batch) >= cap:
                 break
             if seq.status is not SeqStatus.RUNNING or (seq.seq_id in busy and seq.seq_id not in ahead):

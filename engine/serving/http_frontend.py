@@ -33,11 +33,12 @@ from typing import Any, Callable
 
 import msgspec
 import uvicorn
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.comm.messages import ErrorReply
 from meshserve.configs.schema import BatchConfig, HttpLimits
 from meshserve.engine.serving.batch import BatchApi, BatchRunner, FileStore, JobStore
+from meshserve.engine.serving.batch.metrics import batch_metrics
 from meshserve.engine.serving.commands import AbortCommand, AddCommand, Inbox, RequestKey, ResetPrefixCacheCommand
 from meshserve.engine.serving.lora_api import ServedAdapters
 from meshserve.engine.serving.http_app import CountingApp, build_app, with_cors
@@ -135,14 +136,7 @@ class HttpFrontend:
         files, jobs = FileStore(root / "files", config.max_file_bytes, config.max_files), JobStore(root / "batches")
         runner = BatchRunner(jobs, files, self.serving.run_background, config.max_in_flight, config.max_requests,
                              lambda: self.accepting)
-        states = Gauge("meshserve_batch_requests", "Batch API requests of unfinished jobs: queued (not yet handed to "
-                       "the engine) or running", ["state"], registry=self.registry)
-        states.labels("queued").set_function(lambda: runner.num_queued)
-        states.labels("running").set_function(lambda: runner.in_flight)
-        done = Gauge("meshserve_batch_requests_answered", "Batch API requests answered since the server started, by "
-                     "outcome (completed: 200; failed: in the job's error file)", ["outcome"], registry=self.registry)
-        done.labels("completed").set_function(lambda: runner.num_completed)
-        done.labels("failed").set_function(lambda: runner.num_failed)
+        batch_metrics(runner, self.registry)
         return BatchApi(files, jobs, runner, self.max_model_len)
 
     # ------------------------------------------------------------------ EngineLink (event-loop thread)

@@ -171,14 +171,13 @@ def whole(gen: Generation) -> dict[str, Any]:
     usage = usage_dict(sum(len(p) for p in gen.prompt_ids), sum(c.usage.completion_tokens for c in results),
                        cached_tokens({i: c.usage for i, c in enumerate(results)}, gen.per_prompt),
                        draft_tokens(c.usage for c in results),
-                       _reasoning_tokens(shapes, [(c.text, c.token_ids) for c in results]))
+                       _summed([shapes.reasoning_tokens(c.text, c.token_ids) for c in results]))
     choices = [shapes.choice(i, c) for i, c in enumerate(best_of(results, gen.per_prompt, gen.n))]
     return _header(gen) | {"object": shapes.object, "choices": choices, "usage": usage} | shapes.top_level(results)
 
 
-def _reasoning_tokens(shapes, replies: list[tuple[str, list[int]]]) -> int | None:
-    """The replies' (text, token ids) reasoning tokens, summed; None where replies are not split."""
-    counts = [shapes.reasoning_tokens(text, token_ids) for text, token_ids in replies]
+def _summed(counts: list[int | None]) -> int | None:
+    """The replies' reasoning tokens, summed; None where replies are not split."""
     return None if not counts or counts[0] is None else sum(counts)
 
 
@@ -192,8 +191,8 @@ async def chunks(gen: Generation, usage: str | None):
     prompt_tokens = sum(len(p) for p in gen.prompt_ids)
     completion_tokens = streamed = 0
     usages: dict[int, Usage] = {}
-    texts: dict[int, list[str]] = {}  # what each sample wrote, for its reasoning tokens
-    ids: dict[int, list[int]] = {}
+    ids: dict[int, list[int]] = {}  # each sample's tokens, where usage counts its reasoning
+    keep_ids = usage is not None and shapes.counts_reasoning
 
     def chunk(body: dict[str, Any]) -> dict[str, Any]:
         out = header | body
@@ -207,8 +206,7 @@ async def chunks(gen: Generation, usage: str | None):
             completion_tokens += delta.usage.completion_tokens
             usages[index] = delta.usage
         streamed += len(delta.token_ids)
-        if usage is not None:
-            texts.setdefault(index, []).append(delta.text)
+        if keep_ids:
             ids.setdefault(index, []).extend(delta.token_ids)
         return chunk({"choices": [shapes.chunk_choice(index, delta)]})
 
@@ -233,7 +231,7 @@ async def chunks(gen: Generation, usage: str | None):
         if usage is not None:
             final = usage_dict(prompt_tokens, completion_tokens, cached_tokens(usages, gen.n),
                                draft_tokens(usages.values()),
-                               _reasoning_tokens(shapes, [("".join(texts[i]), ids[i]) for i in texts]))
+                               _summed([shapes.streamed_reasoning_tokens(i, ids[i]) for i in ids]))
             yield [header | {"choices": [], "usage": final}]
     finally:  # also when the client disconnects: Starlette cancels the stream
         run.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.comm.messages import Completion, Delta, TokenLogprob, Usage
-from meshserve.engine.serving.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
+from meshserve.engine.serving.reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning, tokens_through
 from meshserve.engine.serving.tools import ToolCallStream, ToolFormat
 
 
@@ -207,8 +207,13 @@ class CompletionShapes:
         """Fields of the whole response besides the header, choices and usage: none."""
         return {}
 
+    counts_reasoning = False
+    """Completions are not split into reasoning and answer."""
+
     def reasoning_tokens(self, text: str, token_ids: list[int]) -> int | None:
-        """Completions are not split into reasoning and answer."""
+        return None
+
+    def streamed_reasoning_tokens(self, index: int, token_ids: list[int]) -> int | None:
         return None
 
 
@@ -240,11 +245,24 @@ class ChatShapes:
         self._call_open = tools.call_open if tools is not None else None
         self._decode = decode
 
+    @property
+    def counts_reasoning(self) -> bool:
+        """Whether usage counts the replies' reasoning tokens (with a reasoning parser)."""
+        return self.reasoning is not None and self._decode is not None
+
     def reasoning_tokens(self, text: str, token_ids: list[int]) -> int | None:
-        """Of a reply's tokens, how many are its reasoning; None without a reasoning parser."""
-        if self.reasoning is None or self._decode is None:
+        """Of a whole reply's tokens, how many are its reasoning; None without a parser."""
+        if not self.counts_reasoning:
             return None
         return reasoning_tokens(text, token_ids, self.reasoning, self._call_open, self._decode)
+
+    def streamed_reasoning_tokens(self, index: int, token_ids: list[int]) -> int | None:
+        """Of choice `index`'s streamed tokens, how many are its reasoning: where its
+        splitter (fed every chunk, finished by the last) put the reasoning's end."""
+        if not self.counts_reasoning:
+            return None
+        splitter = self._splitters.get(index)
+        return tokens_through(splitter.reasoning_chars if splitter else 0, token_ids, self._decode)
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         return None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)

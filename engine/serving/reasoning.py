@@ -102,17 +102,22 @@ def split_reasoning(text: str, starts_inside: bool, call_open: str | None = None
 
 def reasoning_tokens(text: str, token_ids: list[int], starts_inside: bool, call_open: str | None,
                      decode) -> int:
-    """How many of a reply's tokens are its reasoning (usage's reasoning_tokens): those up to
-    the one that completes its reasoning's last character, found by decoding prefixes of
-    `token_ids` (`decode`: ids -> text, as the reply was detokenized)."""
+    """How many of a reply's tokens are its reasoning (usage's reasoning_tokens), its text
+    split as ReasoningSplitter does (see tokens_through)."""
     splitter = ReasoningSplitter(starts_inside, call_open)
     splitter.feed(text)
     splitter.finish()
-    chars = splitter.reasoning_chars
+    return tokens_through(splitter.reasoning_chars, token_ids, decode)
+
+
+def tokens_through(chars: int, token_ids: list[int], decode) -> int:
+    """The fewest of `token_ids` whose text reaches `chars` characters (the one completing a
+    reasoning's last character included), found by decoding prefixes (`decode`: ids -> text,
+    as the reply was detokenized)."""
     if chars == 0:
         return 0
     low, high = 1, len(token_ids)
-    while low < high:  # the fewest tokens whose text reaches `chars`
+    while low < high:
         mid = (low + high) // 2
         if len(decode(token_ids[:mid])) >= chars:
             high = mid

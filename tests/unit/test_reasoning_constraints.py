@@ -122,6 +122,6 @@ def test_chat_replies_split_and_count_reasoning_alike_whole_and_streamed(tokeniz
         arguments += "".join(c["function"]["arguments"] for c in delta.get("tool_calls", []))
     assert got == reasoning and (json.loads(arguments) == {"a": 1} if calls else arguments == "")
     spent = whole.reasoning_tokens(text, ids)
-    assert spent == streamed.reasoning_tokens(text, ids)
+    assert spent == streamed.streamed_reasoning_tokens(0, ids)
     end = text.index(reasoning) + len(reasoning) + (0 if calls else len("</think>"))
     assert len(decode(ids[:spent])) >= end > len(decode(ids[:spent - 1]))
