@@ -95,14 +95,42 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
 
 def all_gather_rows(x: torch.Tensor, counts: list[int], group: AxisGroup) -> torch.Tensor:
     """All-gathers along dim 0 over `group`: member i contributes its `counts[i]` rows (x);
-    returns them all, member 0's first, on every member."""
+    returns them all, member 0's first, on every member. Where only the last member's count
+    is short (sequence parallelism's rows), the result is a view of the gathered buffer."""
     if group.size == 1:
         return x
-    width = max(counts)
-    padded = x.new_zeros((width, *x.shape[1:]))
-    padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(group.size)]
     started = group.timer.start()
-    dist.all_gather(parts, padded, group=group.device_group)
+    width = max(counts)
+    if group.shm is not None and group.shm.fits(x, width):
+        out = group.shm.all_gather_rows(x, counts)
+    else:
+        padded = x if x.shape[0] == width else torch.cat([x, x.new_zeros((width - x.shape[0], *x.shape[1:]))])
+        gathered = x.new_empty((group.size * width, *x.shape[1:]))
+        dist.all_gather_single(gathered, padded.contiguous(), group=group.device_group)
+        if all(n == width for n in counts[:-1]):
+            out = gathered[:sum(counts)]
+        else:
+            out = torch.cat([gathered[i * width:i * width + n] for i, n in enumerate(counts)])
     group.timer.stop(started)
-    return torch.cat([p[:n] for p, n in zip(parts, counts)])
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, counts: list[int], group: AxisGroup) -> torch.Tensor:
+    """Sums `x` (every member's has the same shape) over `group` and returns this member's
+    rows of the sum: member i's are the `counts[i]` after those of members before it.
+    `counts` are equal but perhaps the last, which may be short (sequence parallelism's)."""
+    if group.size == 1:
+        return x
+    started = group.timer.start()
+    start = sum(counts[:group.rank])
+    if group.shm is not None and group.shm.fits(x):
+        out = group.shm.reduce_scatter_rows(x, start, counts[group.rank])
+    else:
+        width = counts[0]
+        padded = x if x.shape[0] == width * group.size else \
+            torch.cat([x, x.new_zeros((width * group.size - x.shape[0], *x.shape[1:]))])
+        out = x.new_empty((width, *x.shape[1:]))
+        dist.reduce_scatter_single(out, padded.contiguous(), group=group.device_group)
+        out = out[:counts[group.rank]]
+    group.timer.stop(started)
+    return out

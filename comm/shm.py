@@ -17,6 +17,7 @@ same bits.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import time
@@ -74,17 +75,20 @@ class ShmCommunicator:
                 raise TimeoutError(f"shared-memory segment {path} did not appear within {timeout:.0f} s")
             time.sleep(0.001)
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= self.slot_bytes and x.device.type == "cpu"
+    def fits(self, x: torch.Tensor, rows: int | None = None) -> bool:
+        """Whether `x` (or `rows` rows shaped as x's) fits a slot."""
+        nbytes = x.numel() * x.element_size() if rows is None else rows * _row_bytes(x)
+        return nbytes <= self.slot_bytes and x.device.type == "cpu"
 
-    def _post(self, x: torch.Tensor) -> torch.Tensor:
+    def _post(self, x: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
         """Write x to this rank's slot of the current set and wait until every rank has
-        posted the same call; returns the set's slots viewed as x's dtype."""
+        posted the same call; returns the set's first `nbytes` (default x's) of each slot,
+        (size, nbytes) uint8."""
         self._calls += 1
         call = self._calls
-        nbytes = x.numel() * x.element_size()
-        slots = self._slots[call % 2, :, :nbytes]
-        slots[self.rank].view(x.dtype).view(x.shape).copy_(x)
+        written = x.numel() * x.element_size()
+        slots = self._slots[call % 2, :, :nbytes or written]
+        slots[self.rank, :written].view(x.dtype).view(x.shape).copy_(x)
         self._flags_np[self.rank] = call
         flags = self._flags_np
         spins = 0
@@ -101,24 +105,51 @@ class ShmCommunicator:
                     late = [r for r in range(self.size) if flags[r] < call]
                     raise TimeoutError(f"shared-memory collective #{call}: ranks {late} of the group did not "
                                        f"arrive within {self.timeout_s:.0f} s")
-        return slots.view(self.size, -1).view(x.dtype).view(self.size, *x.shape)
+        return slots
+
+    def _parts(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's x (posted now), (size, *x.shape)."""
+        return self._post(x).view(x.dtype).view(self.size, *x.shape)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the group, in place."""
-        parts = self._post(x)
-        torch.sum(parts, dim=0, out=x)
+        torch.sum(self._parts(x), dim=0, out=x)
         return x
 
     def gather(self, x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
         """Every member's x, concatenated along the last dim, on member `dst`."""
-        parts = self._post(x)
+        parts = self._parts(x)
         if self.rank != dst:
             return None
         return torch.cat(list(parts.unbind(0)), dim=-1)
 
+    def reduce_scatter_rows(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of the sum of x over the group (every member's x has
+        the same shape): a new tensor."""
+        parts = self._parts(x)[:, start:start + count]
+        out = parts[0].clone()
+        for part in parts[1:]:  # summed in place: a sum over dim 0 of the strided rows would copy them all
+            out += part
+        return out
+
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every member's rows (member i's x has counts[i] rows), member 0's first: a new tensor."""
+        row_bytes = _row_bytes(x)
+        slots = self._post(x, max(counts) * row_bytes)
+        out = x.new_empty((sum(counts), *x.shape[1:]))
+        start = 0
+        for member, n in enumerate(counts):
+            out[start:start + n] = slots[member, :n * row_bytes].view(x.dtype).view(n, *x.shape[1:])
+            start += n
+        return out
+
     def close(self) -> None:
         self._slots = self._flags = self._flags_np = None
         self._map.close()
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    return math.prod(x.shape[1:]) * x.element_size()
 
 
 def new_segment_name() -> str:

@@ -74,6 +74,15 @@ class ParallelConfig(Section):
     dispatches each (token, expert) pair to its expert's ranks and combines the results back
     (two all-to-alls and an all-gather); `all_reduce` has each rank compute its experts for
     all the tokens it already holds and sums over the group (one all-reduce)."""
+    sequence_parallel: bool = False
+    """With tensor > 1: between the row-parallel and the next column-parallel linear (the
+    residual stream and the norms), each tensor-parallel rank holds only its share of a
+    step's tokens, not all of them: a reduce-scatter replaces each all-reduce and an
+    all-gather comes before each column-parallel product (meshserve.parallel.sequence), on
+    steps of at least sequence_parallel_min_tokens tokens."""
+    sequence_parallel_min_tokens: PositiveInt = 512
+    """The smallest step that sequence parallelism splits; smaller steps (decode steps: one
+    token per sequence) keep the all-reduce."""
     data: PositiveInt = 1
     """Replicas: each a whole tensor x pipeline x context group of ranks with its own driver,
     scheduler and KV cache, behind one front door (server.zmq and server.http) that routes

@@ -343,6 +343,9 @@ def check_config(config: Config, source: str = "<builtin default>", info: ModelI
         )
     if info.intermediate_size % tp:
         problems.append(f"parallel.tensor={tp} does not divide intermediate_size={info.intermediate_size}")
+    if config.parallel.sequence_parallel and tp == 1:
+        problems.append("parallel.sequence_parallel=true splits a step's tokens over the tensor-parallel ranks, "
+                        "but parallel.tensor=1 (set parallel.tensor > 1, or sequence_parallel false)")
     if pp > info.num_hidden_layers:
         problems.append(f"parallel.pipeline={pp} exceeds num_hidden_layers={info.num_hidden_layers}")
     split = config.parallel.pipeline_layers

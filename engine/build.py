@@ -47,7 +47,9 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
                        expert_exchange=config.parallel.expert_exchange,
                        decode_graphs=config.scheduler.max_num_seqs if uses_decode_graphs(config) else 0,
                        compile_in_background=not device_cfg.compile_wait, overlap=uses_overlap(config),
-                       lora=(config.lora.max_loras, config.lora.max_rank) if config.lora.active else None)
+                       lora=(config.lora.max_loras, config.lora.max_rank) if config.lora.active else None,
+                       sequence_parallel_min_tokens=config.parallel.sequence_parallel_min_tokens
+                       if config.parallel.sequence_parallel else None)
 
 
 def decode_compile(config: Config, info: ModelInfo) -> bool | str:

@@ -121,7 +121,7 @@ class ModelRunner:
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool | str = False,
                  calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
                  decode_graphs: int = 0, compile_in_background: bool = False, overlap: bool = False,
-                 lora: tuple[int, int] | None = None):
+                 lora: tuple[int, int] | None = None, sequence_parallel_min_tokens: int | None = None):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses);
@@ -136,7 +136,8 @@ class ModelRunner:
         `overlap`: the driver overlaps steps (scheduler.overlap): each step's sampled tokens
         stay on the device, on every rank of the tensor-parallel group, for the next step's
         deferred inputs, and `execute` returns the sampling rank's result unread. `lora`:
-        (lora.max_loras, lora.max_rank) where the server serves LoRA adapters (engine/lora)."""
+        (lora.max_loras, lora.max_rank) where the server serves LoRA adapters (engine/lora).
+        `sequence_parallel_min_tokens`: parallel.sequence_parallel's line (layers.loader)."""
         self.overlap = overlap
         self._last: LastSampled | None = None
         self.info, self.memory, self.groups = info, memory, groups
@@ -159,7 +160,8 @@ class ModelRunner:
                                  show_progress=show_progress, cp=groups.cp,
                                  backend=select_backend(kernels, self.device, library), library=library,
                                  quantization=memory.quantization, calibration=calibration, ep=groups.ep,
-                                 expert_exchange=expert_exchange, before_pack=attach_adapters if lora else None)
+                                 expert_exchange=expert_exchange, before_pack=attach_adapters if lora else None,
+                                 sequence_parallel_min_tokens=sequence_parallel_min_tokens)
         self.sender = StageSender(groups.pp)
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1

@@ -14,13 +14,17 @@ from meshserve.comm.groups import AxisGroup
 from meshserve.layers.matmul import DenseCpuMatmul
 from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.layers.weights import CheckpointTensor
+from meshserve.parallel.sequence import SequenceParallel
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank i looks up the ids in its range and writes zeros for the others; the sum
     over ranks is the full embedding.
 
-    All-reduces the output over `tp`."""
+    All-reduces the output over `tp`; where sequence parallelism splits the step (`sp`),
+    reduce-scatters it instead (each rank gets its rows)."""
+
+    sp: SequenceParallel | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: AxisGroup, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -61,7 +65,7 @@ class VocabParallelEmbedding(nn.Module):
         out = out * mine.unsqueeze(-1).to(out.dtype)
         if self.lora is not None:
             out = self.lora.apply(out, input_ids)
-        return reduce_from_tp(out, self.tp)
+        return reduce_from_tp(out, self.tp) if self.sp is None else self.sp.reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

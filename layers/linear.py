@@ -17,6 +17,7 @@ from meshserve.configs.memory import local_num_kv_heads
 from meshserve.layers.lora import LoraPart, LoraStack
 from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.layers.weights import CheckpointTensor
+from meshserve.parallel.sequence import SequenceParallel
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -89,7 +90,11 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     """Y = XA + b, A = [A_1 ... A_p] split along its output columns; rank i holds A_i and
-    returns Y_i = XA_i + b_i (its slice of the output). No communication."""
+    returns Y_i = XA_i + b_i (its slice of the output). No communication, but where its
+    input is the residual stream's and sequence parallelism splits the step (`sp`): the
+    all-gather of every rank's rows of X."""
+
+    sp: SequenceParallel | None = None
 
     def __init__(self, input_size: int, output_size: int, tp: AxisGroup, bias: bool = False,
                  dtype: torch.dtype = torch.float32):
@@ -104,6 +109,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (num_tokens, input_size) -> (num_tokens, local_output_size)
+        if self.sp is not None:
+            x = self.sp.gather(x)
         y = self.matmul(x)
         y = y if self.bias is None else y + self.bias
         return y if self.lora is None else self.lora.apply(y, x)
@@ -190,7 +197,10 @@ class RowParallelLinear(LinearBase):
     already split by columns (the output of a column-parallel layer). Rank i computes
     X_i A_i; the sum over ranks is all-reduced over `tp`, and b is added once, after it.
 
-    All-reduces the output over `tp`."""
+    All-reduces the output over `tp`; where sequence parallelism splits the step (`sp`),
+    reduce-scatters it instead (each rank gets its rows of the sum)."""
+
+    sp: SequenceParallel | None = None
 
     def __init__(self, input_size: int, output_size: int, tp: AxisGroup, bias: bool = False,
                  dtype: torch.dtype = torch.float32, lora_module: str = ""):
@@ -218,6 +228,7 @@ class RowParallelLinear(LinearBase):
         return y if self.lora is None else self.lora.apply(y, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (num_tokens, local_input_size) -> (num_tokens, output_size)
-        y = reduce_from_tp(self.partial(x), self.tp)
+        # (num_tokens, local_input_size) -> (num_tokens or this rank's rows, output_size)
+        partial = self.partial(x)
+        y = reduce_from_tp(partial, self.tp) if self.sp is None else self.sp.reduce(partial)
         return y if self.bias is None else y + self.bias

@@ -27,6 +27,7 @@ from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from meshserve.layers.moe import DOWN, FusedMoE
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rotary import RotaryEmbedding
+from meshserve.parallel.sequence import SequenceParallel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,6 +60,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = info.head_dim
         self.attn = PagedAttention(self.local_num_heads, self.local_num_kv_heads, info.head_dim, backend=self.backend)
 
+    def use_sequence_parallel(self, sp: SequenceParallel) -> None:
+        """Its input and output are the residual stream's rows of this rank on split steps."""
+        self.qkv_proj.sp = self.o_proj.sp = sp
+
     def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Before rotary: nothing here (Qwen3 normalizes each head)."""
         return q, k
@@ -86,6 +91,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, info.hidden_size, tp, dtype=dtype,
                                            lora_module="down_proj")
         self.act = (backend or TorchBackend()).silu_and_mul
+
+    def use_sequence_parallel(self, sp: SequenceParallel) -> None:
+        """Its input and output are the residual stream's rows of this rank on split steps."""
+        self.gate_up_proj.sp = self.down_proj.sp = sp
 
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x): gate_up is (num_tokens, 2 * local_intermediate_size), gate then
@@ -131,6 +140,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(*layer_range))
         self.dtype = dtype
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, backend) if has_head else None
+        self.sp: SequenceParallel | None = None
+        """Sequence parallelism over the TP group (parallel/sequence.py), where configured."""
+
+    def use_sequence_parallel(self, sp: SequenceParallel) -> None:
+        self.sp = sp
+        if self.embed_tokens is not None:
+            self.embed_tokens.sp = sp
+        for layer in self.layers:
+            layer.self_attn.use_sequence_parallel(sp)
+            layer.mlp.use_sequence_parallel(sp)
 
     def forward(self, input_ids, positions, hidden, residual, kv_caches: list[KVCache], meta: StepMetadata,
                 after_layer=None, layers=None):
@@ -139,11 +158,17 @@ class LlamaModel(nn.Module):
         `after_layer(i)`: called once layer i (of this stage) has run and written its KV
         (disaggregated prefill sends the layer's blocks then: engine/kv_agent.py). `layers`:
         runs the decoder layers in place of the Python loop, layers(rope, hidden, residual,
-        kv_caches, meta) -> (hidden, residual) (the fused C++ call, layers/fused_decode.py)."""
+        kv_caches, meta) -> (hidden, residual) (the fused C++ call, layers/fused_decode.py).
+        A step that sequence parallelism splits runs on this rank's rows between the linears
+        and returns all of them, gathered (residual None: added in)."""
+        split = self.sp is not None and self.sp.plan(positions.shape[-1])
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
+        elif split:  # the previous stage's whole hidden state (its residual added in)
+            hidden = self.sp.rows(hidden) if residual is None else self.sp.rows(hidden + residual)
+            residual = None
         rope = self.rotary.lookup(positions, self.dtype)
-        if layers is not None:
+        if layers is not None and not split:
             hidden, residual = layers(rope, hidden, residual, kv_caches, meta)
         else:
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -152,6 +177,9 @@ class LlamaModel(nn.Module):
                     after_layer(i)
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
+            residual = None
+        if split:
+            hidden = self.sp.gather(hidden if residual is None else hidden + residual)
             residual = None
         return hidden, residual
 
@@ -164,9 +192,12 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, info: ModelInfo, tp: AxisGroup, dtype: torch.dtype, *, layer_range: tuple[int, int] | None = None,
                  is_first_stage: bool = True, is_last_stage: bool = True, max_position: int | None = None,
-                 backend: Backend | None = None, ep: AxisGroup | None = None, expert_exchange: str = "all_to_all"):
+                 backend: Backend | None = None, ep: AxisGroup | None = None, expert_exchange: str = "all_to_all",
+                 sequence_parallel_min_tokens: int | None = None):
         """`ep`: the expert-parallel group of the MoE layers (layers.moe), and how it
-        exchanges tokens (parallel.expert_exchange); none for a dense model."""
+        exchanges tokens (parallel.expert_exchange); none for a dense model.
+        `sequence_parallel_min_tokens`: with tp > 1, split the steps of at least this many
+        tokens along the sequence between the linears (parallel/sequence.py); None: never."""
         super().__init__()
         self.info = info
         self.backend = backend or TorchBackend()
@@ -180,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
 
         self.model = LlamaModel(info, tp, dtype, layer_range, is_first_stage, is_last_stage,
                                 max_position or info.max_position_embeddings, make_layer, self.backend)
+        if sequence_parallel_min_tokens is not None and tp.size > 1:
+            self.model.use_sequence_parallel(SequenceParallel(tp, sequence_parallel_min_tokens))
         self.lm_head = None
         if is_last_stage:
             tied = self.model.embed_tokens if info.tie_word_embeddings else None

@@ -56,12 +56,14 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
                 max_position: int | None = None, show_progress: bool = False, cp=None,
                 backend=None, quantization: Quantization = Quantization.NONE, calibration: list[int] | None = None,
                 ep=None, expert_exchange: str = "all_to_all", library: CpuLibrary | None = None,
-                before_pack=None) -> LlamaForCausalLM:
+                before_pack=None, sequence_parallel_min_tokens: int | None = None) -> LlamaForCausalLM:
     """`backend`: the kernel backend (meshserve.layers.backend); default torch. `library`: the
     loaded C++ CPU kernels the products may run on (default: the backend's). With a
     context-parallel group `cp` of several ranks, the model's attention runs over it
     (layers.backend.ContextParallelBackend around `backend`). `ep`: the expert-parallel
     group of a mixture-of-experts model and how it exchanges tokens (layers.moe).
+    `sequence_parallel_min_tokens`: sequence parallelism over `tp` (parallel/sequence.py)
+    for steps of at least this many tokens; None: none.
 
     The products are chosen once (layers.matmul_plan.plan_matmuls: `model.matmuls`, which
     the start-up line and the MFU/MBU cost read). `quantization` (meshserve.layers.quant):
@@ -80,7 +82,8 @@ def build_model(info: ModelInfo, tp, dtype: torch.dtype, *, device: torch.device
         model = MODEL_CLASSES[info.architecture](info, tp, load_dtype, layer_range=layer_range,
                                                  is_first_stage=is_first_stage, is_last_stage=is_last_stage,
                                                  max_position=max_position, backend=backend, ep=ep,
-                                                 expert_exchange=expert_exchange)
+                                                 expert_exchange=expert_exchange,
+                                                 sequence_parallel_min_tokens=sequence_parallel_min_tokens)
     load_weights(model, info, show_progress)
     if quantization is Quantization.W8A8:
         if not calibration:

@@ -36,6 +36,7 @@ from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.linear import ReplicatedLinear
 from meshserve.layers.matmul_plan import MatmulPlan
 from meshserve.layers.weights import CheckpointTensor
+from meshserve.parallel.sequence import SequenceParallel
 
 GATE, UP, DOWN = 0, 1, 2
 """The shard ids of an expert's checkpoint tensors (with the expert's global index)."""
@@ -85,7 +86,11 @@ class Router(ReplicatedLinear):
 class FusedMoE(nn.Module):
     """Router, top-k, the experts of this rank and the combine. `forward` all-reduces over
     `tp`; `partial` leaves that to the caller (a shared expert adds its own partial sum
-    first). With ep > 1, `partial` exchanges tokens over `ep` (all-to-all, then all-gather)."""
+    first). With ep > 1, `partial` exchanges tokens over `ep` (all-to-all, then all-gather).
+    Where sequence parallelism splits the step (`sp`), `forward` all-gathers the rows of its
+    input first and reduce-scatters the sum."""
+
+    sp: SequenceParallel | None = None
 
     def __init__(self, hidden_size: int, moe: MoEInfo, tp: AxisGroup, ep: AxisGroup, dtype: torch.dtype,
                  backend=None, exchange: str = "all_to_all"):
@@ -152,9 +157,14 @@ class FusedMoE(nn.Module):
             self.w13.data = self.w13.data.new_empty(0)
             self.w2.data = self.w2.data.new_empty(0)
 
+    def use_sequence_parallel(self, sp: SequenceParallel) -> None:
+        self.sp = sp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduces the output over `tp`. (num_tokens, hidden) -> (num_tokens, hidden)."""
-        return reduce_from_tp(self.partial(x), self.tp)
+        if self.sp is None:
+            return reduce_from_tp(self.partial(x), self.tp)
+        return self.sp.reduce(self.partial(self.sp.gather(x)))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This tp rank's partial sum of the block's output for every token (exchanges

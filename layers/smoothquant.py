@@ -56,10 +56,12 @@ def smooth(model, token_ids: list[int], tp: AxisGroup, block_size: int = 16, alp
 
 def _factors(act_max: torch.Tensor, weight: torch.Tensor, alpha: float, tp: AxisGroup | None) -> torch.Tensor:
     """s_j per input channel. The weight's column maxima span every tensor-parallel rank's
-    rows when the input is replicated (`tp`); a row-parallel layer's columns are local."""
+    rows when the input is replicated (`tp`), and so do the input's maxima (with sequence
+    parallelism a rank saw only its rows of it); a row-parallel layer's columns are local."""
     w_max = weight.abs().amax(0).float()
     if tp is not None:
         max_over_tp(w_max, tp)
+        max_over_tp(act_max, tp)
     tiny = 1e-5
     return (act_max.clamp_min(tiny).pow(alpha) / w_max.clamp_min(tiny).pow(1 - alpha)).to(weight.dtype)
 

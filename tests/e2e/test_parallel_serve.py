@@ -24,12 +24,17 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color."]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,world", [("smollm2-tp3.yaml", 3), ("smollm2-pp2.yaml", 2)])
-def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2_reference, config, world):
+@pytest.mark.parametrize("config,world,extra", [
+    ("smollm2-tp3.yaml", 3, []),
+    ("smollm2-tp3.yaml", 3, ["parallel.sequence_parallel=true", "parallel.sequence_parallel_min_tokens=16"]),
+    ("smollm2-pp2.yaml", 2, []),
+], ids=["tp3", "tp3-sequence-parallel", "pp2"])
+def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2_reference, config, world, extra):
     """Greedy text equals transformers', and a second turn that resends the first (prefix
     caching: its blocks are reused, on every rank) too, with speculative decoding on (n-gram:
     the drafts flow through the ranks like any step; the constrained requests of
-    check_structured_outputs do not speculate, beside those that do)."""
+    check_structured_outputs do not speculate, beside those that do). With sequence
+    parallelism, the prompts' steps split over the ranks and the decode steps do not."""
     from support.checkpoints import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
@@ -41,7 +46,8 @@ def test_smollm2_parallel_serve_matches_transformers(tmp_path, smollm2_reference
     env = os.environ | {"OMP_NUM_THREADS": "2"}
     server = MeshserveProcess(["-m", "meshserve.launcher.cli", "serve", str(REPO / "configs" / config),
                                "--set", f"server.zmq={address}", "--set", "model.max_model_len=512",
-                               "--set", "speculative.method=ngram"], tmp_path, env=env)
+                               "--set", "speculative.method=ngram", *[a for x in extra for a in ("--set", x)]],
+                              tmp_path, env=env)
     # a second turn: the first question, its answer and a follow-up (it reuses the first's KV blocks)
     turn = tok.encode("<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     try:

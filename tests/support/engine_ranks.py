@@ -30,6 +30,9 @@ class CollectMode:
         self.results = as_results(completions)
         self.stats = {"preemptions": engine.scheduler.num_preemptions, "steps": engine.stats.steps,
                       "deferred_tokens": engine.executor.runner.stats.deferred_tokens}
+        sp = engine.executor.runner.model.model.sp
+        if sp is not None:
+            self.stats["steps_split"] = sp.steps_split
         if engine.speculator is not None:
             spec = engine.speculator.stats
             self.stats |= {"draft_tokens": spec.num_draft_tokens, "accepted_tokens": spec.num_accepted_tokens}

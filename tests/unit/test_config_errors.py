@@ -306,6 +306,13 @@ def test_tp_not_dividing_intermediate_size_smollm2(smollm2):
     assert msg == f"{BUILTIN_SOURCE}: parallel.tensor=9 does not divide intermediate_size=1536"
 
 
+def test_sequence_parallelism_without_tensor_parallelism(smollm2):
+    msg = check_error(load_config(None, ["parallel.sequence_parallel=true"]), BUILTIN_SOURCE)
+    assert msg == (f"{BUILTIN_SOURCE}: parallel.sequence_parallel=true splits a step's tokens over the tensor-parallel "
+                   "ranks, but parallel.tensor=1 (set parallel.tensor > 1, or sequence_parallel false)")
+    check_config(load_config(None, ["parallel.sequence_parallel=true", "parallel.tensor=3"]))
+
+
 def test_tp_not_dividing_intermediate_size_tiny(tiny_checkpoints, tmp_path):
     d = modified_checkpoint(tiny_checkpoints, tmp_path, intermediate_size=162)
     msg = check_error(load_config(None, [f"model.path={d}", "parallel.tensor=4"]), "mlp.yaml")
