@@ -464,6 +464,9 @@ class StepResult(Struct, frozen=True, tag="result"):
     counts: list[int] | None = None
     """Speculative decoding: tokens per sequence (its accepted drafts, then the token sampled
     after them); None: one each."""
+    proposals: list[list[int]] | None = None
+    """Medusa heads (speculative.method=medusa): per sequence, the heads' guesses at the
+    tokens after its last one here, nearest first; None without heads."""
 
     def per_sequence(self) -> list[tuple[int, list[int], list[TokenLogprob | None] | None]]:
         """(seq_id, its tokens, their logprobs or None) of every sequence, in order."""

@@ -219,11 +219,13 @@ class SpeculativeConfig(Section):
     exactly what it would be without (greedy and sampled alike), in fewer steps when the
     proposals are right. Off by default, as in vLLM."""
 
-    method: Literal["none", "ngram", "draft"] = "none"
+    method: Literal["none", "ngram", "draft", "medusa"] = "none"
     """`ngram`: prompt lookup, which proposes what followed the latest earlier occurrence of
     the last few tokens in the prompt and output (model-free: for output that copies its
     input, such as code edits, quoting summaries, extraction). `draft`: a draft model
-    (`model`) proposes greedily, on the driver, in a KV cache of its own."""
+    (`model`) proposes greedily, on the driver, in a KV cache of its own. `medusa`: Medusa
+    heads (`heads`) on the model's last hidden state guess the next tokens with every step
+    (meshserve.layers.medusa)."""
     num_speculative_tokens: int = Field(8, ge=1, le=16)
     """The most tokens a sequence proposes per step."""
     prompt_lookup_min: PositiveInt = 2
@@ -244,6 +246,9 @@ class SpeculativeConfig(Section):
     """`draft`: the draft's weight quantization (as model.quantization)."""
     draft_memory: ByteSize = ByteSize(256 << 20)
     """`draft`: the draft's KV cache, on the driver (a sequence it cannot hold gets no proposal)."""
+    heads: str | None = None
+    """`medusa`: the heads file, trained for this model (scripts/train_heads.py writes one);
+    a sequence proposes at most one token per head."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -252,6 +257,11 @@ class SpeculativeConfig(Section):
                              f"speculative.prompt_lookup_max={self.prompt_lookup_max}")
         if self.method == "draft" and not self.model:
             raise ValueError("speculative.method=draft needs speculative.model (the draft model's path)")
+        if self.method == "medusa" and not self.heads:
+            raise ValueError("speculative.method=medusa needs speculative.heads (a heads file: scripts/train_heads.py)")
+        if self.method != "medusa" and self.heads:
+            raise ValueError(f"speculative.heads are the heads of speculative.method=medusa, not "
+                             f"speculative.method={self.method}")
         if self.method != "draft" and self.model:
             raise ValueError(f"speculative.model is the draft model of speculative.method=draft, not "
                              f"method={self.method}")

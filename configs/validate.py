@@ -6,6 +6,8 @@ Each message quotes the numbers and, where it can, the values that would work.
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 from meshserve.configs.adapters import AdapterError, check_adapter
 from meshserve.configs.cpu_bind import cpu_bind_problems
@@ -244,6 +246,8 @@ def speculative_problems(config: Config, info: ModelInfo) -> list[str]:
         return [f"speculative.method={spec.method} with parallel.context={config.parallel.context}: context "
                 f"parallelism splits each sequence's tokens over its ranks, and rejected drafts are not rolled "
                 f"back there; use speculative.method=none or parallel.context=1"]
+    if spec.method == "medusa":
+        return heads_problems(config, info)
     if spec.method != "draft":
         return []
     try:
@@ -259,6 +263,28 @@ def speculative_problems(config: Config, info: ModelInfo) -> list[str]:
             check_config(draft_config(config, info), "speculative.model", draft)
         except ConfigError as e:
             problems.append(str(e))
+    return problems
+
+
+def heads_problems(config: Config, info: ModelInfo) -> list[str]:
+    """Medusa heads must be a heads file (meshserve.layers.medusa) for this model's hidden
+    size; their logits come from the model's own LM head, which LoRA adapters would change."""
+    path = Path(config.speculative.heads).expanduser()
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(size)).get("__metadata__") or {}
+    except (OSError, ValueError) as e:
+        return [f"speculative.heads={path}: not a readable safetensors file ({e})"]
+    if meta.get("format") != "meshserve-medusa":
+        return [f"speculative.heads={path}: not a Medusa heads file (scripts/train_heads.py writes one)"]
+    problems = []
+    if int(meta.get("hidden_size", 0)) != info.hidden_size:
+        problems.append(f"speculative.heads={path}: heads for hidden_size={meta.get('hidden_size')}, the model's "
+                        f"is {info.hidden_size}")
+    if config.lora.active:
+        problems.append("speculative.method=medusa with LoRA adapters: the heads read the base model's LM head "
+                        "(serve adapters without heads, or heads without adapters)")
     return problems
 
 

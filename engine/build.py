@@ -25,6 +25,7 @@ from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.lora.registry import LoraRegistry
 from meshserve.engine.model_runner import ModelRunner
 from meshserve.engine.speculative.draft_model import DraftModelProposer
+from meshserve.engine.speculative.heads import HeadsProposer
 from meshserve.engine.speculative.policy import DraftPolicy
 from meshserve.engine.speculative.proposer import NgramProposer
 from meshserve.engine.speculative.speculator import Speculator
@@ -49,7 +50,8 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
                        compile_in_background=not device_cfg.compile_wait, overlap=uses_overlap(config),
                        lora=(config.lora.max_loras, config.lora.max_rank) if config.lora.active else None,
                        sequence_parallel_min_tokens=config.parallel.sequence_parallel_min_tokens
-                       if config.parallel.sequence_parallel else None)
+                       if config.parallel.sequence_parallel else None,
+                       heads=config.speculative.heads if config.speculative.method == "medusa" else None)
 
 
 def decode_compile(config: Config, info: ModelInfo) -> bool | str:
@@ -144,6 +146,8 @@ def build_speculator(config: Config, info: ModelInfo, memory: MemoryPlan) -> Spe
         draft_info = read_model_info(spec.model)
         runner = build_runner(draft, draft_info, plan_memory(draft, draft_info), Groups.single(), config.device.type)
         proposer = DraftModelProposer(runner)
+    elif spec.method == "medusa":
+        proposer = HeadsProposer()
     else:
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     return Speculator(proposer, DraftPolicy(spec.num_speculative_tokens, spec.adaptive), memory.max_model_len)

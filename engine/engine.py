@@ -269,7 +269,10 @@ class Engine:
         out: list[tuple[Hashable, object]] = self._take_events()
         context_lens = done.context_lens
         drafted = {s.seq_id: len(s.draft) for s in done.batch.seqs if s.draft}
+        guesses = dict(zip(result.seq_ids, result.proposals)) if result.proposals is not None else {}
         for seq, tokens in self.scheduler.update(done.batch, sampled):
+            if seq.seq_id in guesses:
+                self.speculator.received(seq, guesses[seq.seq_id])
             if seq.seq_id in drafted:
                 self.speculator.verified(seq, drafted[seq.seq_id], len(tokens) - 1)
                 if self.observer is not None:

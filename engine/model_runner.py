@@ -25,6 +25,7 @@ from meshserve.engine.speculative.verify import accept
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
 from meshserve.layers.fused_decode import fused_decode_layers
+from meshserve.layers.medusa import MedusaHeads
 from meshserve.layers import prompt_logprobs
 from meshserve.layers.host_memory import zeros_on_touch
 from meshserve.layers.kernels import cpu_library
@@ -121,7 +122,8 @@ class ModelRunner:
                  layer_counts: list[int] | None = None, kernels: str = "auto", compile_decode: bool | str = False,
                  calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
                  decode_graphs: int = 0, compile_in_background: bool = False, overlap: bool = False,
-                 lora: tuple[int, int] | None = None, sequence_parallel_min_tokens: int | None = None):
+                 lora: tuple[int, int] | None = None, sequence_parallel_min_tokens: int | None = None,
+                 heads: str | None = None):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses);
@@ -137,7 +139,9 @@ class ModelRunner:
         stay on the device, on every rank of the tensor-parallel group, for the next step's
         deferred inputs, and `execute` returns the sampling rank's result unread. `lora`:
         (lora.max_loras, lora.max_rank) where the server serves LoRA adapters (engine/lora).
-        `sequence_parallel_min_tokens`: parallel.sequence_parallel's line (layers.loader)."""
+        `sequence_parallel_min_tokens`: parallel.sequence_parallel's line (layers.loader).
+        `heads`: the Medusa heads file (speculative.method=medusa), loaded on the last
+        pipeline stage, whose ranks return the heads' guesses with each step's tokens."""
         self.overlap = overlap
         self._last: LastSampled | None = None
         self.info, self.memory, self.groups = info, memory, groups
@@ -162,6 +166,8 @@ class ModelRunner:
                                  quantization=memory.quantization, calibration=calibration, ep=groups.ep,
                                  expert_exchange=expert_exchange, before_pack=attach_adapters if lora else None,
                                  sequence_parallel_min_tokens=sequence_parallel_min_tokens)
+        self.heads = MedusaHeads.load(heads, info.hidden_size, self.dtype, self.device) \
+            if heads is not None and groups.pp.is_last else None
         self.sender = StageSender(groups.pp)
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -362,6 +368,19 @@ class ModelRunner:
             first += n
         return bits[keep].to(device), rows
 
+    def _propose(self, head_logits: torch.Tensor, drafts: list[list[int]], counts: list[int] | None
+                 ) -> list[list[int]]:
+        """The Medusa heads' first guesses after each sequence's last kept token, from their
+        logits at every sample row (num_heads * rows, vocab), on the sampling rank."""
+        picks = list(range(len(drafts)))
+        if counts is not None:  # with drafts: the row of the last token kept
+            starts = [0]
+            for draft in drafts[:-1]:
+                starts.append(starts[-1] + len(draft) + 1)
+            picks = [start + n - 1 for start, n in zip(starts, counts)]
+        per_head = head_logits.view(self.heads.num_heads, -1, head_logits.shape[-1])
+        return per_head[:, picks].argmax(-1).T.tolist()
+
     @staticmethod
     def _verify(tokens: list[int], logprobs: list[TokenLogprob | None] | None, drafts: list[list[int]]
                 ) -> tuple[list[int], list[TokenLogprob | None] | None, list[int]]:
@@ -445,8 +464,15 @@ class ModelRunner:
         if not inputs.sample_rows:
             self._last = None
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt) if self.sampler else None
-        logits = self._logits(hidden, inputs.sample_rows, inputs.sample_slots if inputs.lora else None)
-        result, tokens = None, None
+        head_logits = None
+        if self.heads is not None:  # the heads' rows ride in the same product: the LM head is read once
+            rows = hidden[inputs.sample_rows]
+            logits = self.model.compute_logits(torch.cat([rows, self.heads(rows).flatten(0, 1)]))
+            if logits is not None:
+                logits, head_logits = logits[:len(rows)], logits[len(rows):]
+        else:
+            logits = self._logits(hidden, inputs.sample_rows, inputs.sample_slots if inputs.lora else None)
+        result, tokens, counts = None, None, None
         if self.sampler is not None:
             bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, inputs.drafts, logits.device)
             sampled = self.sampler.sample(logits, inputs.sampling, bitmask, mask_rows)
@@ -454,10 +480,14 @@ class ModelRunner:
             if any(inputs.drafts):
                 token_list, logprobs = sampled.to_lists()
                 token_list, logprobs, counts = self._verify(token_list, logprobs, inputs.drafts)
-                result = StepResult(plan.step_id, inputs.sample_seq_ids, token_list, logprobs, prompt, counts)
+        proposals = self._propose(head_logits, inputs.drafts, counts) if head_logits is not None else None
+        if self.sampler is not None:
+            if counts is not None:
+                result = StepResult(plan.step_id, inputs.sample_seq_ids, token_list, logprobs, prompt, counts,
+                                    proposals)
                 self.sampler.state.record(inputs.sample_seq_ids, [tokens for _, tokens, _ in result.per_sequence()])
             else:
-                result = PendingResult(plan.step_id, inputs.sample_seq_ids, sampled, prompt)
+                result = PendingResult(plan.step_id, inputs.sample_seq_ids, sampled, prompt, proposals)
                 self.sampler.state.record(inputs.sample_seq_ids, tokens)
         if self.overlap:
             self._keep_sampled(tokens, inputs)

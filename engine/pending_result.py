@@ -9,10 +9,12 @@ from meshserve.layers.sampler import SampledRows
 
 class PendingResult:
     def __init__(self, step_id: int, seq_ids: list[int], sampled: SampledRows,
-                 prompt_logprobs: list[PromptLogprobs] | None = None):
+                 prompt_logprobs: list[PromptLogprobs] | None = None, proposals: list[list[int]] | None = None):
         """`sampled`: one row per sequence of `seq_ids` (no drafts: those are verified on the
-        host at once). Its copy to the host starts now, behind the step."""
+        host at once). Its copy to the host starts now, behind the step. `proposals`: as
+        StepResult's."""
         self.step_id, self.seq_ids, self.sampled, self.prompt_logprobs = step_id, seq_ids, sampled, prompt_logprobs
+        self.proposals = proposals
         sampled.start_copy()
         self._result: StepResult | None = None
 
@@ -20,7 +22,8 @@ class PendingResult:
         """The StepResult, read once (waiting for the step's sampling, not for later steps)."""
         if self._result is None:
             tokens, logprobs = self.sampled.to_lists()
-            self._result = StepResult(self.step_id, self.seq_ids, tokens, logprobs, self.prompt_logprobs)
+            self._result = StepResult(self.step_id, self.seq_ids, tokens, logprobs, self.prompt_logprobs,
+                                      proposals=self.proposals)
         return self._result
 
 

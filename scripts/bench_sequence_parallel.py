@@ -69,15 +69,18 @@ class PrefillMode(DriverMode):
         add_batch(engine, random_prompts(1, a.tokens, seed=999), 1)
         while engine.has_work():
             engine.step()
+        timer = engine.executor.runner.groups.tp.timer
         rows = []
         for r in range(a.rounds):
             add_batch(engine, random_prompts(1, a.tokens, seed=r), 1)
             Path("/proc/self/clear_refs").write_text("5")
             before = _status("VmRSS")
+            comm, calls = timer.seconds, timer.calls
             start = time.perf_counter()
             while engine.has_work():
                 engine.step()
-            rows.append({"seconds": time.perf_counter() - start, "peak_bytes": _status("VmHWM") - before})
+            rows.append({"seconds": time.perf_counter() - start, "peak_bytes": _status("VmHWM") - before,
+                         "collective_seconds": timer.seconds - comm, "collectives": timer.calls - calls})
         return {"rounds": rows, "steps_split": sp.steps_split if sp is not None else 0}
 
 
@@ -132,6 +135,8 @@ def main() -> None:
         rounds = run["rounds"]
         summary[name] = {"seconds": statistics.median(r["seconds"] for r in rounds),
                          "peak_mib": statistics.median(r["peak_bytes"] for r in rounds) / 2**20,
+                         "collective_seconds": statistics.median(r["collective_seconds"] for r in rounds),
+                         "collectives": rounds[0]["collectives"],
                          "steps_split": run["steps_split"]}
     plain, split = summary["plain"], summary["sequence_parallel"]
     prediction = predicted_factor(read_model_info(args.model_path), args.tp)
@@ -141,8 +146,8 @@ def main() -> None:
               "time_ratio": split["seconds"] / plain["seconds"]}
     print(f"{args.tokens}-token prefill at tp={args.tp} ({args.dtype}), medians of {args.rounds} rounds:")
     for name, row in summary.items():
-        print(f"  {name:17s} {row['seconds']:7.2f} s   peak activations {row['peak_mib']:7.1f} MiB "
-              f"(steps split: {row['steps_split']})")
+        print(f"  {name:17s} {row['seconds']:7.2f} s ({row['collective_seconds']:5.2f} s in {row['collectives']} "
+              f"TP collectives)   peak activations {row['peak_mib']:7.1f} MiB (steps split: {row['steps_split']})")
     print(f"  peak activation memory: {result['measured_factor']:.2f}x lower with sequence parallelism "
           f"(predicted {prediction['factor']:.2f}x: {prediction['without']:.0f} vs {prediction['with']:.0f} "
           f"elements per token)")

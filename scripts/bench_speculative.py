@@ -7,6 +7,10 @@ Workloads:
 - grounded: output that copies its input (scripts/data/spec_grounded.json): code edits
   (rename one variable of a function, reply with the whole function) and summaries that
   quote their text; greedy, up to --grounded-tokens tokens, ending where the model ends;
+- chat: questions of everyday chat (CHAT below, none of them in scripts/train_heads.py's
+  training set), greedy, up to --chat-tokens tokens, ending where the model ends: output
+  the prompt does not contain (what Medusa heads are for: `--spec speculative.method=medusa
+  --spec speculative.heads=FILE`);
 - random: --input-len random token ids, sampled at temperature 1.0, exactly --random-tokens
   tokens (ignore_eos): output the prompt does not predict, where proposals are rarely right
   and the adaptive draft length has to keep speculation from costing anything.
@@ -58,6 +62,18 @@ TOPOLOGIES = {"tp1": [], "tp3": ["parallel.tensor=3"], "pp2": ["parallel.pipelin
 SPECULATIVE = ["speculative.method=ngram"]
 ARMS = ("off", "on")
 SYSTEM = "You are a careful assistant. You do exactly what the user asks, and nothing more."
+
+
+CHAT = [
+    "What should I pack for a weekend hiking trip?", "How do I make a good cup of tea?",
+    "Explain how earthquakes happen.", "Give me three tips for learning to paint.",
+    "Why do penguins live in cold places?", "What are the benefits of running every morning?",
+    "Describe a typical day in a big city.", "How can I read more books each year?",
+]
+
+
+def chat_prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT]
 
 
 def grounded_prompts(tokenizer: Tokenizer) -> list[list[int]]:
@@ -156,6 +172,7 @@ async def run_http(url: str, prompts: list[list[int]], params: dict, concurrency
 def workloads(tokenizer: Tokenizer, vocab: int, args) -> dict[str, tuple[list[list[int]], dict]]:
     grounded = grounded_prompts(tokenizer)[:args.grounded_requests]
     return {"grounded": (grounded, {"max_tokens": args.grounded_tokens, "temperature": 0.0}),
+            "chat": (chat_prompts(tokenizer)[:args.chat_requests], {"max_tokens": args.chat_tokens, "temperature": 0.0}),
             "random": (random_prompts(args.random_requests, args.input_len, vocab, 0),
                        {"max_tokens": args.random_tokens, "temperature": 1.0, "ignore_eos": True})}
 
@@ -235,7 +252,9 @@ def main() -> int:
     p.add_argument("--per-slot", type=int, default=1, help="requests per concurrency slot")
     p.add_argument("--grounded-tokens", type=int, default=256)
     p.add_argument("--grounded-requests", type=int, default=None, help="the first N grounded prompts (default: all 10)")
-    p.add_argument("--workloads", nargs="+", default=["grounded", "random"], choices=["grounded", "random"])
+    p.add_argument("--workloads", nargs="+", default=["grounded", "random"], choices=["grounded", "chat", "random"])
+    p.add_argument("--chat-tokens", type=int, default=128)
+    p.add_argument("--chat-requests", type=int, default=None, help="the first N chat questions (default: all 8)")
     p.add_argument("--random-tokens", type=int, default=128)
     p.add_argument("--random-requests", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
@@ -252,10 +271,13 @@ def main() -> int:
     logs.mkdir(exist_ok=True)
     config = load_config(None, args.overrides)
     info = read_model_info(config.model.path)
-    loads = workloads(Tokenizer(info, config.model.tokenizer), info.vocab_size, args)
+    tokenizer = Tokenizer(info, config.model.tokenizer)
+    loads = workloads(tokenizer, info.vocab_size, args)
     loads = {name: loads[name] for name in args.workloads}
-    warm_up = [(prompts[:1] if name == "grounded" else random_prompts(1, args.input_len, info.vocab_size, seed=1),
-                params) for name, (prompts, params) in loads.items()]  # random: not a prompt measured
+    warm = {"grounded": lambda prompts: prompts[:1],
+            "chat": lambda _: [tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])],
+            "random": lambda _: random_prompts(1, args.input_len, info.vocab_size, seed=1)}  # not a prompt measured
+    warm_up = [(warm[name](prompts), params) for name, (prompts, params) in loads.items()]
     report: dict = {"cpu": cpu_features().describe(), "overrides": args.overrides,
                     "speculative": SPECULATIVE + args.spec_overrides, "args": vars(args), "topologies": {}}
     for topology in args.topology:

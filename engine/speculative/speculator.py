@@ -55,6 +55,10 @@ class Speculator:
         for seq, draft in zip(seqs, drafts):
             seq.draft = draft
 
+    def received(self, seq: Sequence, guesses: list[int]) -> None:
+        """The target's step returned proposals for `seq` (Medusa heads: HeadsProposer)."""
+        self.proposer.received(seq, guesses)
+
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         seq.num_draft_tokens += drafted
         seq.num_accepted_tokens += accepted

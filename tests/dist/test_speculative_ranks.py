@@ -1,8 +1,10 @@
-"""Speculative decoding across ranks: the n-gram proposer and a draft model at tp = 3 and
-pp = 2 (two micro-batches in flight) give the greedy tokens and top-5 logprobs of one rank without
-speculation, for a batch of prompts (prefills beside drafting decodes) with prefix caching
-on and a second wave that reuses the first's blocks. The drafts are made on the driver (the draft
-model, the target's int8 build, runs there whole) and travel in the step plan; the verify step flows through the stages like any step."""
+"""Speculative decoding across ranks: the n-gram proposer, a draft model and Medusa heads at
+tp = 3 and pp = 2 (two micro-batches in flight) give the greedy tokens and top-5 logprobs of
+one rank without speculation, for a batch of prompts (prefills beside drafting decodes) with
+prefix caching on and a second wave that reuses the first's blocks. The drafts are made on
+the driver (the draft model, the target's int8 build, runs there whole; the heads' guesses
+come back from the last stage's ranks with each step's tokens) and travel in the step plan;
+the verify step flows through the stages like any step."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from support.checkpoints import make_checkpoint
 from support.dist import run_ranks
 from support.engine_ranks import as_results, assert_same, run_engine
 from support.engines import make_engine
+from support.heads import self_distilled_heads
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7], list(range(100, 140)) * 2, [3, 4] * 20,
            list(range(200, 260))]
@@ -42,13 +45,20 @@ def reference(looping):
     return as_results(generate(engine, PROMPTS, PARAMS) + generate(engine, SECOND, SECOND_PARAMS))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.fixture(scope="module")
+def heads(looping, tmp_path_factory):
+    return self_distilled_heads(looping, PROMPTS, tmp_path_factory.mktemp("heads") / "heads.safetensors")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "medusa"])
 @pytest.mark.parametrize("topology", [Topology(tp_size=3), Topology(pp_size=2)], ids=["tp3", "pp2"])
-def test_speculation_across_ranks_gives_the_output_of_one_rank_without_it(looping, reference, topology, method):
+def test_speculation_across_ranks_gives_the_output_of_one_rank_without_it(looping, reference, heads, topology,
+                                                                          method):
     spec = ["speculative.adaptive=false", f"speculative.method={method}"]
     # The draft: the model's own int8 build (it agrees with the float32 model often, not always).
-    spec += (["speculative.prompt_lookup_min=1"] if method == "ngram" else
-             [f"speculative.model={looping}", "speculative.quantization=int8"])
+    spec += {"ngram": ["speculative.prompt_lookup_min=1"],
+             "draft": [f"speculative.model={looping}", "speculative.quantization=int8"],
+             "medusa": [f"speculative.heads={heads}"]}[method]
     (got, stats), *_ = run_ranks(run_engine, topology, overrides(looping, topology, spec), PROMPTS, PARAMS,
                                  (SECOND, SECOND_PARAMS))
     assert_same(got, reference)

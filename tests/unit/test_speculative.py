@@ -4,7 +4,8 @@ speculation against the same engine without it on a tiny random Llama (float32):
 output token for token (logprobs, stops, preemption, prefix caching, mixed batches; n-gram
 and draft-model proposals), seeded sampling token for token, the sampled distribution of
 the verified tokens against the target's own (a chi-square test), and the KV cache after
-rejections, layer by layer."""
+rejections, layer by layer. Medusa heads self-distilled on the tiny model: greedy and seeded
+output as without speculation."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from meshserve.engine.speculative.proposer import MAX_CANDIDATES, NgramProposer
 from meshserve.engine.speculative.verify import accept
 from support.checkpoints import make_checkpoint
 from support.engines import make_engine
+from support.heads import self_distilled_heads
 
 NGRAM = ["speculative.method=ngram", "speculative.adaptive=false", "speculative.prompt_lookup_min=1"]
 """Always draft what the lookup finds (a tiny random model repeats itself, which the lookup
@@ -382,6 +384,38 @@ def test_seeded_sampling_is_the_output_without_speculation(tiny):
     assert_same(got, want, logprobs=False)
     assert spec.speculator.stats.num_accepted_tokens > 0
     assert_same(generate(spec, PROMPTS, params), want, logprobs=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny, tmp_path_factory):
+    return self_distilled_heads(tiny, PROMPTS, tmp_path_factory.mktemp("heads") / "heads.safetensors")
+
+
+def test_medusa_heads_give_the_output_without_speculation(tiny, tiny_heads):
+    """The heads' guesses, made on the step's last hidden state and returned with its tokens,
+    are the next step's drafts: greedy (with logprobs) and seeded sampled output are the
+    output without speculation, and guesses are accepted."""
+    medusa = ["speculative.method=medusa", f"speculative.heads={tiny_heads}", "speculative.adaptive=false"]
+    params = ([SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)] * len(PROMPTS)
+              + [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
+                 for s in range(len(PROMPTS))])
+    want = generate(make_engine(tiny), PROMPTS * 2, params)
+    spec = make_engine(tiny, *medusa)
+    got = generate(spec, PROMPTS * 2, params)
+    assert_same(got[:len(PROMPTS)], want[:len(PROMPTS)])
+    assert_same(got[len(PROMPTS):], want[len(PROMPTS):], logprobs=False)
+    stats = spec.speculator.stats
+    assert stats.num_accepted_tokens >= 40 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert len(stats.accepted_per_position) == 8 and stats.accepted_per_position[3] == 0  # three heads: 3 drafts
+
+
+def test_medusa_heads_of_another_hidden_size_are_a_config_error(tiny, tmp_path):
+    from meshserve.configs import ConfigError
+    from meshserve.layers.medusa import MedusaHeads
+
+    MedusaHeads(32, 2).save(tmp_path / "h.safetensors")
+    with pytest.raises(ConfigError, match=r"heads for hidden_size=32, the model's is 64"):
+        make_engine(tiny, "speculative.method=medusa", f"speculative.heads={tmp_path / 'h.safetensors'}")
 
 
 class FixedProposer:
