@@ -347,6 +347,16 @@ class ModelRunner:
             inputs.sampling.append(SamplingRow(seq.params, known + j, seq.prompt_len, tokens, seq_id, known))
 
     @staticmethod
+    def _first_rows(drafts: list[list[int]]) -> list[int]:
+        """Each sequence's first sampled row: a sequence samples its next token's row and one
+        after each of its draft tokens, in plan order."""
+        starts, row = [], 0
+        for draft in drafts:
+            starts.append(row)
+            row += len(draft) + 1
+        return starts
+
+    @staticmethod
     def _grammar_masks(masks: TokenMasks | None, seq_ids: list[int], drafts: list[list[int]],
                        device: torch.device) -> tuple[torch.Tensor | None, list[int] | None]:
         """The plan's grammar masks as an int32 (k, words) tensor, and the sampled row each
@@ -354,10 +364,7 @@ class ModelRunner:
         then one after each draft)."""
         if masks is None:
             return None, None
-        row_of, row = {}, 0
-        for s, draft in zip(seq_ids, drafts):
-            row_of[s] = row
-            row += 1 + len(draft)
+        row_of = dict(zip(seq_ids, ModelRunner._first_rows(drafts)))
         counts = masks.rows or [1] * len(masks.seq_ids)
         bits = torch.frombuffer(bytearray(masks.bits), dtype=torch.int32).view(sum(counts), masks.words)
         keep, rows, first = [], [], 0
@@ -374,10 +381,7 @@ class ModelRunner:
         logits at every sample row (num_heads * rows, vocab), on the sampling rank."""
         picks = list(range(len(drafts)))
         if counts is not None:  # with drafts: the row of the last token kept
-            starts = [0]
-            for draft in drafts[:-1]:
-                starts.append(starts[-1] + len(draft) + 1)
-            picks = [start + n - 1 for start, n in zip(starts, counts)]
+            picks = [start + n - 1 for start, n in zip(self._first_rows(drafts), counts)]
         per_head = head_logits.view(self.heads.num_heads, -1, head_logits.shape[-1])
         return per_head[:, picks].argmax(-1).T.tolist()
 
@@ -389,12 +393,10 @@ class ModelRunner:
         counts = accept(tokens, drafts)
         kept_tokens: list[int] = []
         kept_logprobs: list[TokenLogprob | None] = []
-        row = 0
-        for draft, n in zip(drafts, counts):
+        for row, n in zip(ModelRunner._first_rows(drafts), counts):
             kept_tokens.extend(tokens[row:row + n])
             if logprobs is not None:
                 kept_logprobs.extend(logprobs[row:row + n])
-            row += len(draft) + 1
         return kept_tokens, kept_logprobs if logprobs is not None else None, counts
 
     def busy_seconds(self) -> float:
