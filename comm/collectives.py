@@ -93,6 +93,14 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
     return out
 
 
+def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` contiguous with zero rows after its own up to `rows`: the equal shares that
+    all_gather_single and reduce_scatter_single exchange."""
+    if x.shape[0] == rows:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
 def all_gather_rows(x: torch.Tensor, counts: list[int], group: AxisGroup) -> torch.Tensor:
     """All-gathers along dim 0 over `group`: member i contributes its `counts[i]` rows (x);
     returns them all, member 0's first, on every member. Where only the last member's count
@@ -104,9 +112,8 @@ def all_gather_rows(x: torch.Tensor, counts: list[int], group: AxisGroup) -> tor
     if group.shm is not None and group.shm.fits(x, width):
         out = group.shm.all_gather_rows(x, counts)
     else:
-        padded = x if x.shape[0] == width else torch.cat([x, x.new_zeros((width - x.shape[0], *x.shape[1:]))])
         gathered = x.new_empty((group.size * width, *x.shape[1:]))
-        dist.all_gather_single(gathered, padded.contiguous(), group=group.device_group)
+        dist.all_gather_single(gathered, _padded_rows(x, width), group=group.device_group)
         if all(n == width for n in counts[:-1]):
             out = gathered[:sum(counts)]
         else:
@@ -127,10 +134,8 @@ def reduce_scatter_rows(x: torch.Tensor, counts: list[int], group: AxisGroup) ->
         out = group.shm.reduce_scatter_rows(x, start, counts[group.rank])
     else:
         width = counts[0]
-        padded = x if x.shape[0] == width * group.size else \
-            torch.cat([x, x.new_zeros((width * group.size - x.shape[0], *x.shape[1:]))])
         out = x.new_empty((width, *x.shape[1:]))
-        dist.reduce_scatter_single(out, padded.contiguous(), group=group.device_group)
+        dist.reduce_scatter_single(out, _padded_rows(x, width * group.size), group=group.device_group)
         out = out[:counts[group.rank]]
     group.timer.stop(started)
     return out

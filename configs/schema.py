@@ -223,9 +223,10 @@ class SpeculativeConfig(Section):
     """`ngram`: prompt lookup, which proposes what followed the latest earlier occurrence of
     the last few tokens in the prompt and output (model-free: for output that copies its
     input, such as code edits, quoting summaries, extraction). `draft`: a draft model
-    (`model`) proposes greedily, on the driver, in a KV cache of its own. `medusa`: Medusa
-    heads (`heads`) on the model's last hidden state guess the next tokens with every step
-    (meshserve.layers.medusa)."""
+    (`model`) proposes greedily, on the driver, in a KV cache of its own. `medusa`: draft
+    heads (`heads`) on the model's last hidden state guess the next tokens with every step:
+    Medusa heads, or sequential heads that also read the tokens before their guess (Hydra;
+    meshserve.layers.medusa, the file says which)."""
     num_speculative_tokens: int = Field(8, ge=1, le=16)
     """The most tokens a sequence proposes per step."""
     prompt_lookup_min: PositiveInt = 2

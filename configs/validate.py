@@ -6,13 +6,13 @@ Each message quotes the numbers and, where it can, the values that would work.
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 from meshserve.configs.adapters import AdapterError, check_adapter
 from meshserve.configs.cpu_bind import cpu_bind_problems
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.errors import ConfigError
+from meshserve.configs.heads_file import file_problem, read_metadata
 from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.quantization import Quantization
 from meshserve.configs.schema import (CacheConfig, ClusterConfig, Config, LoraConfig, ModelConfig, ParallelConfig,
@@ -268,23 +268,17 @@ def speculative_problems(config: Config, info: ModelInfo) -> list[str]:
 
 def heads_problems(config: Config, info: ModelInfo) -> list[str]:
     """Medusa heads must be a heads file (meshserve.layers.medusa) for this model's hidden
-    size; their logits come from the model's own LM head, which LoRA adapters would change."""
+    size and vocabulary; they read the base model's hidden state, which LoRA adapters change."""
     path = Path(config.speculative.heads).expanduser()
     try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            meta = json.loads(f.read(size)).get("__metadata__") or {}
+        meta = read_metadata(path)
     except (OSError, ValueError) as e:
         return [f"speculative.heads={path}: not a readable safetensors file ({e})"]
-    if meta.get("format") != "meshserve-medusa":
-        return [f"speculative.heads={path}: not a Medusa heads file (scripts/train_heads.py writes one)"]
-    problems = []
-    if int(meta.get("hidden_size", 0)) != info.hidden_size:
-        problems.append(f"speculative.heads={path}: heads for hidden_size={meta.get('hidden_size')}, the model's "
-                        f"is {info.hidden_size}")
+    problem = file_problem(meta, info.hidden_size, info.vocab_size)
+    problems = [f"speculative.heads={path}: {problem}"] if problem else []
     if config.lora.active:
-        problems.append("speculative.method=medusa with LoRA adapters: the heads read the base model's LM head "
-                        "(serve adapters without heads, or heads without adapters)")
+        problems.append("speculative.method=medusa with LoRA adapters: the heads read the base model's hidden "
+                        "state (serve adapters without heads, or heads without adapters)")
     return problems
 
 

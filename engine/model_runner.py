@@ -166,8 +166,10 @@ class ModelRunner:
                                  quantization=memory.quantization, calibration=calibration, ep=groups.ep,
                                  expert_exchange=expert_exchange, before_pack=attach_adapters if lora else None,
                                  sequence_parallel_min_tokens=sequence_parallel_min_tokens)
-        self.heads = MedusaHeads.load(heads, info.hidden_size, self.dtype, self.device) \
+        self.heads = MedusaHeads.load(heads, info.hidden_size, info.vocab_size, self.dtype, self.device) \
             if heads is not None and groups.pp.is_last else None
+        if self.heads is not None and self.model.matmuls is not None:
+            self.heads.use_products(self.model.matmuls.router)  # the unquantized products of the model's plan
         self.sender = StageSender(groups.pp)
         model = self.model.model
         heads = model.layers[0].self_attn.local_num_kv_heads if len(model.layers) else 1
@@ -347,6 +349,16 @@ class ModelRunner:
             inputs.sampling.append(SamplingRow(seq.params, known + j, seq.prompt_len, tokens, seq_id, known))
 
     @staticmethod
+    def _first_rows(drafts: list[list[int]]) -> list[int]:
+        """Each sequence's first sampled row: a sequence samples its next token's row and one
+        after each of its draft tokens, in plan order."""
+        starts, row = [], 0
+        for draft in drafts:
+            starts.append(row)
+            row += len(draft) + 1
+        return starts
+
+    @staticmethod
     def _grammar_masks(masks: TokenMasks | None, seq_ids: list[int], drafts: list[list[int]],
                        device: torch.device) -> tuple[torch.Tensor | None, list[int] | None]:
         """The plan's grammar masks as an int32 (k, words) tensor, and the sampled row each
@@ -354,10 +366,7 @@ class ModelRunner:
         then one after each draft)."""
         if masks is None:
             return None, None
-        row_of, row = {}, 0
-        for s, draft in zip(seq_ids, drafts):
-            row_of[s] = row
-            row += 1 + len(draft)
+        row_of = dict(zip(seq_ids, ModelRunner._first_rows(drafts)))
         counts = masks.rows or [1] * len(masks.seq_ids)
         bits = torch.frombuffer(bytearray(masks.bits), dtype=torch.int32).view(sum(counts), masks.words)
         keep, rows, first = [], [], 0
@@ -368,18 +377,15 @@ class ModelRunner:
             first += n
         return bits[keep].to(device), rows
 
-    def _propose(self, head_logits: torch.Tensor, drafts: list[list[int]], counts: list[int] | None
+    def _propose(self, rows: torch.Tensor, tokens: torch.Tensor, drafts: list[list[int]], counts: list[int] | None
                  ) -> list[list[int]]:
-        """The Medusa heads' first guesses after each sequence's last kept token, from their
-        logits at every sample row (num_heads * rows, vocab), on the sampling rank."""
-        picks = list(range(len(drafts)))
-        if counts is not None:  # with drafts: the row of the last token kept
-            starts = [0]
-            for draft in drafts[:-1]:
-                starts.append(starts[-1] + len(draft) + 1)
-            picks = [start + n - 1 for start, n in zip(starts, counts)]
-        per_head = head_logits.view(self.heads.num_heads, -1, head_logits.shape[-1])
-        return per_head[:, picks].argmax(-1).T.tolist()
+        """The heads' first guesses after each sequence's last kept token, from the hidden
+        state of the row that sampled it (`rows`: the step's sampled rows; `tokens`: theirs),
+        on the sampling rank."""
+        if counts is None:
+            return self.heads.guess(rows, tokens).tolist()
+        picks = torch.tensor([start + n - 1 for start, n in zip(self._first_rows(drafts), counts)], device=rows.device)
+        return self.heads.guess(rows[picks], tokens[picks]).tolist()
 
     @staticmethod
     def _verify(tokens: list[int], logprobs: list[TokenLogprob | None] | None, drafts: list[list[int]]
@@ -389,12 +395,10 @@ class ModelRunner:
         counts = accept(tokens, drafts)
         kept_tokens: list[int] = []
         kept_logprobs: list[TokenLogprob | None] = []
-        row = 0
-        for draft, n in zip(drafts, counts):
+        for row, n in zip(ModelRunner._first_rows(drafts), counts):
             kept_tokens.extend(tokens[row:row + n])
             if logprobs is not None:
                 kept_logprobs.extend(logprobs[row:row + n])
-            row += len(draft) + 1
         return kept_tokens, kept_logprobs if logprobs is not None else None, counts
 
     def busy_seconds(self) -> float:
@@ -464,14 +468,7 @@ class ModelRunner:
         if not inputs.sample_rows:
             self._last = None
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt) if self.sampler else None
-        head_logits = None
-        if self.heads is not None:  # the heads' rows ride in the same product: the LM head is read once
-            rows = hidden[inputs.sample_rows]
-            logits = self.model.compute_logits(torch.cat([rows, self.heads(rows).flatten(0, 1)]))
-            if logits is not None:
-                logits, head_logits = logits[:len(rows)], logits[len(rows):]
-        else:
-            logits = self._logits(hidden, inputs.sample_rows, inputs.sample_slots if inputs.lora else None)
+        logits = self._logits(hidden, inputs.sample_rows, inputs.sample_slots if inputs.lora else None)
         result, tokens, counts = None, None, None
         if self.sampler is not None:
             bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, inputs.drafts, logits.device)
@@ -480,7 +477,9 @@ class ModelRunner:
             if any(inputs.drafts):
                 token_list, logprobs = sampled.to_lists()
                 token_list, logprobs, counts = self._verify(token_list, logprobs, inputs.drafts)
-        proposals = self._propose(head_logits, inputs.drafts, counts) if head_logits is not None else None
+        proposals = None
+        if self.heads is not None and self.sampler is not None:
+            proposals = self._propose(hidden[inputs.sample_rows], tokens, inputs.drafts, counts)
         if self.sampler is not None:
             if counts is not None:
                 result = StepResult(plan.step_id, inputs.sample_seq_ids, token_list, logprobs, prompt, counts,

@@ -83,6 +83,10 @@ class PagedMetadata:
     sequences, and each token of a short chunk after a cached prefix (DECODE_ROWS)."""
     decode_block_tables: torch.Tensor | None = None
     """(num_decodes, max_blocks) block ids, padded with block 0."""
+    decode_skip: torch.Tensor | None = None
+    """(num_decodes,) int64, or None: the keys of its last 64 positions each decode row does
+    not attend to, bit j for position len - 1 - j (a draft tree's rows see their own path,
+    engine/speculative/tree.py)."""
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @property
@@ -203,6 +207,27 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         width = meta.decode_block_tables.shape[1] * block_size
         meta.decode_mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]
     return meta
+
+
+def set_tree_skips(meta, row_skips: list[int]) -> None:
+    """Gives a step's decode rows the keys they skip (`row_skips`: per row of the flat batch,
+    bit j for the key at the row's position less j; 0 for a row that sees its whole
+    sequence): a draft tree's rows (engine/speculative/tree.py) attend to their own path
+    only. Only decode rows can skip keys: a tree fits within DECODE_ROWS. `meta`: any
+    backend's metadata with decode_rows (and the torch backend's dense decode_mask)."""
+    rows = meta.decode_rows.tolist() if meta.decode_rows is not None else []
+    if sum(1 for s in row_skips if s) > sum(1 for r in rows if row_skips[r]):
+        raise ValueError("a row that skips keys is not a decode row (a draft tree longer than DECODE_ROWS?)")
+    skips = [row_skips[r] for r in rows]
+    if not any(skips):
+        return
+    device = meta.slot_mapping.device
+    meta.decode_skip = torch.tensor(skips, dtype=torch.long, device=device)
+    mask = getattr(meta, "decode_mask", None)
+    if mask is not None:
+        lens = mask[:, 0, 0, :].sum(-1).tolist()
+        cut = [(i, lens[i] - 1 - j) for i, s in enumerate(skips) for j in range(64) if s >> j & 1]
+        mask[[i for i, _ in cut], 0, 0, [p for _, p in cut]] = False
 
 
 def query_blocks(query_len: int, prefix: int, device) -> list[QueryBlock]:

@@ -62,12 +62,13 @@ def cpu_paged_attention(library: CpuLibrary, q: torch.Tensor, k: torch.Tensor, v
         attention.store_kv(kv_cache, k, v, meta.slot_mapping, quantize=library.ops.quantize_kv_int8)
     if meta.decode_only:  # every row decodes, in order
         return cpu_attention.paged_decode_attention(library, q, k_cache, v_cache, meta.decode_block_tables,
-                                                    meta.decode_lens, scale)
+                                                    meta.decode_lens, scale, meta.decode_skip)
     fused = meta.fresh_chunks is not None and cpu_attention.prefill_fits(library, q.shape[-1])
     out = cpu_attention.prefill_attention(library, q, k, v, meta.fresh_chunks, scale) if fused else torch.empty_like(q)
     if meta.decode_rows is not None:
         out[meta.decode_rows] = cpu_attention.paged_decode_attention(
-            library, q[meta.decode_rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+            library, q[meta.decode_rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,
+            meta.decode_skip)
     for chunk in meta.prefills:
         if not (fused and chunk.fresh):
             attention.prefill_chunk(q, k, v, kv_cache, chunk, scale, out)

@@ -53,7 +53,7 @@ class FusedDecodeLayers:
                        [v for _, v in kv_caches], cos.contiguous(), sin.contiguous(), meta.slot_mapping,
                        meta.decode_block_tables, meta.decode_lens, self.eps, self.scale, self.num_heads,
                        self.num_kv_heads, self.product, slots, self.lora if slots is not None else [],
-                       self.fused_silu)
+                       self.fused_silu, meta.decode_skip)
 
 
 def _linears(layer) -> tuple:

@@ -1,14 +1,23 @@
-"""Medusa heads (Cai et al., 2024): extra heads on the target model's last hidden state
-that guess the tokens after the next one, for speculative decoding without a draft model.
+"""Draft heads for speculative decoding without a draft model: Medusa heads (Cai et al.,
+2024), or the sequential heads of Hydra (Ankner et al., 2024), on the target model's last
+hidden state.
 
 Head k (1-based) reads the final-normed hidden state h_t of position t, from which the LM
-head takes token t+1, and guesses token t+1+k: logits_k = lm_head(h_t + SiLU(W_k h_t + b_k)),
-with `num_layers` such residual blocks in front of the target's own LM head. The heads
-share that LM head and never change it, so a head holds hidden**2 weights and no vocabulary
-matrix of its own (Medusa-1 with a frozen, shared head).
+head takes token t+1, and guesses token t+1+k. A Medusa head reads h_t alone; a sequential
+head also reads the tokens between: token t+1 (the target's own) and the guesses of the
+heads before it, so it knows what it continues. Each head is `num_layers` residual blocks,
+z = x + SiLU(W x + b), where the first block's x is h_t (Medusa) or h_t followed by the
+token vectors of tokens t+1 ... t+k (sequential), and z is h_t plus the blocks' output.
+
+The heads guess over a draft vocabulary: the tokens of the answers they were trained on
+(`vocab`), with the target's LM-head rows of those tokens (`lm_rows`, frozen: copied from
+the target when trained). Those rows are also the token vectors a sequential head reads
+(zero for a token outside the draft vocabulary). A guess is then a product with a few
+thousand rows, not the whole vocabulary, and needs no collective on a tensor-parallel LM head.
 
 The file is safetensors: head k's block j as `heads.{k}.{j}.weight` / `.bias` (k from 0),
-with metadata `format` (FILE_FORMAT), `hidden_size`, `num_heads` and `num_layers`.
+`vocab` and `lm_rows`, with metadata `format` (FILE_FORMAT), `hidden_size`, `num_heads`,
+`num_layers`, `sequential` ("1" or "0") and `target_vocab_size`.
 """
 
 from __future__ import annotations
@@ -21,60 +30,117 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-FILE_FORMAT = "meshserve-medusa"
+from meshserve.configs.heads_file import FILE_FORMAT, file_problem
 
 
 class ResidualBlock(nn.Module):
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, hidden_size: int, dtype: torch.dtype):
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size, dtype=dtype)
+        self.linear = nn.Linear(in_features, hidden_size, dtype=dtype)
         nn.init.zeros_(self.linear.weight)  # a new head starts as the LM head itself: it guesses token t+1
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor, product=None) -> torch.Tensor:
+        """`product`: what multiplies by the weight (layers.matmul_plan), None: F.linear."""
+        y = self.linear(inputs) if product is None else product(inputs) + self.linear.bias
+        return x + F.silu(y)
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden_size: int, num_heads: int, vocab: torch.Tensor, lm_rows: torch.Tensor,
+                 target_vocab_size: int, num_layers: int = 1, sequential: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        """`vocab`: the draft vocabulary's token ids; `lm_rows`: (len(vocab), hidden_size),
+        the target's LM-head rows of those tokens."""
         super().__init__()
         self.hidden_size, self.num_heads, self.num_layers = hidden_size, num_heads, num_layers
-        self.heads = nn.ModuleList(nn.Sequential(*(ResidualBlock(hidden_size, dtype) for _ in range(num_layers)))
-                                   for _ in range(num_heads))
+        self.sequential, self.target_vocab_size = sequential, target_vocab_size
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(rows, hidden) final-normed states -> (num_heads, rows, hidden): what the LM head
-        turns into each head's logits."""
-        return torch.stack([head(hidden) for head in self.heads])
+        def width(k: int, j: int) -> int:
+            return hidden_size * (k + 2) if sequential and j == 0 else hidden_size
+
+        self.heads = nn.ModuleList(nn.ModuleList(ResidualBlock(width(k, j), hidden_size, dtype)
+                                                 for j in range(num_layers)) for k in range(num_heads))
+        self.register_buffer("vocab", vocab.to(torch.long))
+        self.register_buffer("lm_rows", lm_rows.to(dtype))
+        index = torch.full((target_vocab_size,), -1, dtype=torch.long)
+        index[self.vocab] = torch.arange(len(vocab))
+        self.register_buffer("index", index)
+        """token id -> its row of the draft vocabulary, -1 outside it."""
+        self._products: tuple[list[list], object] | None = None
+
+    def use_products(self, kernel) -> None:
+        """`guess` multiplies by `kernel`'s products (layers.matmul_plan.MatmulKernel: the
+        model's own, prepared once), where a plain product of one row would read the weights
+        far below the memory's bandwidth."""
+        self._products = ([[kernel.product(block.linear.weight) for block in head] for head in self.heads],
+                          kernel.product(self.lm_rows))
+
+    def token_vectors(self, ids: torch.Tensor) -> torch.Tensor:
+        """What a sequential head reads of each token: its LM-head row, zero outside the
+        draft vocabulary."""
+        rows = self.index[ids]
+        return self.lm_rows[rows.clamp(min=0)] * (rows >= 0).unsqueeze(-1).to(self.lm_rows.dtype)
+
+    def _head(self, k: int, hidden: torch.Tensor, before: list[torch.Tensor], products=None) -> torch.Tensor:
+        """Head k's state (rows, hidden), from h_t and the vectors of the tokens before its guess."""
+        x = hidden
+        for j, block in enumerate(self.heads[k]):
+            inputs = torch.cat([hidden, *before], -1) if self.sequential and j == 0 else x
+            x = block(x, inputs, products[j] if products else None)
+        return x
+
+    def _logits(self, state: torch.Tensor) -> torch.Tensor:
+        product = self._products[1] if self._products else None
+        return state @ self.lm_rows.T if product is None else product(state)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Every head's logits over the draft vocabulary, (num_heads, rows, len(vocab)), given
+        the tokens before each head's guess (rows, num_heads): token t+1, then the tokens head
+        1, 2, ... guess (what training knows; sequential heads only)."""
+        vectors = [self.token_vectors(tokens[:, j]) for j in range(self.num_heads)] if self.sequential else []
+        return torch.stack([self._head(k, hidden, vectors[:k + 1]) for k in range(self.num_heads)]) @ self.lm_rows.T
+
+    @torch.no_grad()
+    def guess(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The heads' first guesses (rows, num_heads) after each row's `next_tokens` (token t+1,
+        the target's), each sequential head reading the guesses of those before it."""
+        before = [self.token_vectors(next_tokens)] if self.sequential else []
+        out = []
+        for k in range(self.num_heads):
+            products = self._products[0][k] if self._products else None
+            best = self._logits(self._head(k, hidden, before, products)).argmax(-1)
+            out.append(self.vocab[best])
+            if self.sequential:
+                before.append(self.lm_rows[best])
+        return torch.stack(out, -1)
 
     def save(self, path: Path | str) -> None:
         tensors = {f"heads.{k}.{j}.{part}": getattr(block.linear, part).detach().contiguous()
                    for k, head in enumerate(self.heads) for j, block in enumerate(head) for part in ("weight", "bias")}
+        tensors["vocab"] = self.vocab.contiguous()
+        tensors["lm_rows"] = self.lm_rows.contiguous()
         meta = {"format": FILE_FORMAT, "hidden_size": str(self.hidden_size), "num_heads": str(self.num_heads),
-                "num_layers": str(self.num_layers)}
+                "num_layers": str(self.num_layers), "sequential": "1" if self.sequential else "0",
+                "target_vocab_size": str(self.target_vocab_size)}
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: Path | str, hidden_size: int, dtype: torch.dtype = torch.float32,
+    def load(cls, path: Path | str, hidden_size: int, vocab_size: int, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> MedusaHeads:
-        """The heads in `path`, checked against the target's `hidden_size`."""
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
+        """The heads in `path`, checked against the target's `hidden_size` and `vocab_size`."""
+        with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            if meta.get("format") != FILE_FORMAT:
-                raise ValueError(f"{path}: not a Medusa heads file (metadata format={meta.get('format')!r}, "
-                                 f"expected {FILE_FORMAT!r}; scripts/train_heads.py writes one)")
-            if int(meta["hidden_size"]) != hidden_size:
-                raise ValueError(f"{path}: heads for hidden_size={meta['hidden_size']}, the model has {hidden_size}")
-            heads = cls(hidden_size, int(meta["num_heads"]), int(meta["num_layers"]), dtype)
+            problem = file_problem(meta, hidden_size, vocab_size)
+            if problem:
+                raise ValueError(f"{path}: {problem}")
+            heads = cls(hidden_size, int(meta["num_heads"]), f.get_tensor("vocab"), f.get_tensor("lm_rows"),
+                        vocab_size, int(meta["num_layers"]), meta["sequential"] == "1", dtype)
             with torch.no_grad():
-                for name, param in heads.named_parameters():
-                    k, j, part = _file_name(name)
-                    param.copy_(f.get_tensor(f"heads.{k}.{j}.{part}"))
+                for k, head in enumerate(heads.heads):
+                    for j, block in enumerate(head):
+                        block.linear.weight.copy_(f.get_tensor(f"heads.{k}.{j}.weight"))
+                        block.linear.bias.copy_(f.get_tensor(f"heads.{k}.{j}.bias"))
         heads.requires_grad_(False)
-        return heads
+        return heads.to(device)
 
-
-def _file_name(param_name: str) -> tuple[str, str, str]:
-    """heads.{k}.{j}.linear.{part} (the module's name) -> (k, j, part)."""
-    _, k, j, _, part = param_name.split(".")
-    return k, j, part

@@ -47,6 +47,8 @@ class TritonMetadata:
     prefill_block_tables: torch.Tensor
     """(num_prefills, max_blocks), padded with block 0."""
     max_prefill_query_len: int
+    decode_skip: torch.Tensor | None = None
+    """(num_decodes,) int64 or None: keys each decode row does not attend to (layers.attention.set_tree_skips)."""
 
     @property
     def num_tokens(self) -> int:
@@ -161,7 +163,8 @@ class TritonBackend(Backend):
         if len(meta.decode_rows):
             paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,
                                    max_len=meta.decode_max_len, rows=meta.decode_rows, out=out,
-                                   num_splits=_splits(len(meta.decode_rows), kv_heads, meta.decode_max_len, q.device))
+                                   num_splits=_splits(len(meta.decode_rows), kv_heads, meta.decode_max_len, q.device),
+                                   skip=meta.decode_skip)
         if len(meta.prefill_starts):
             prefill_attention(q, k_cache, v_cache, out, meta.prefill_starts, meta.prefill_query_lens,
                               meta.prefill_seq_lens, scale, max_query_len=meta.max_prefill_query_len,

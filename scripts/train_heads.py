@@ -1,4 +1,5 @@
-"""Self-distilled Medusa heads (meshserve.layers.medusa) for a model, trained on this CPU.
+"""Self-distilled draft heads (meshserve.layers.medusa: sequential or Medusa) for a model,
+trained on this CPU.
 
 1. Prompts: a fixed set of chat requests (every template below about every topic), the
    topics split into a training set and a held-out set.
@@ -7,15 +8,17 @@
    what the model will write when it serves.
 3. One prefill per batch of conversations (prompt and answer) gives the final-normed hidden
    state of every answer position.
-4. Head k learns the answer token k places after the one the LM head takes from the same
-   position, by cross-entropy through the frozen LM head (AdamW), until --minutes have
-   passed since the start or --epochs are done.
+4. The draft vocabulary: the answers' --vocab most frequent tokens, with the LM head's rows
+   of them. Head k learns the answer token k places after the one the LM head takes from
+   the same position (a sequential head reading the answer tokens between), by
+   cross-entropy over the draft vocabulary through those frozen rows (AdamW), until
+   --minutes have passed since the start or --epochs are done.
 5. It prints, on the held-out answers, each head's top-1 and top-`--top-k` accuracy and the
    tokens per step a chain of the heads' first guesses would give greedy decoding, writes the
    heads file and a JSON of the figures.
 
     python scripts/train_heads.py [--model builtin:smollm2-135m-instruct] [--heads 3]
-        [--minutes 20] [--output results/smollm2-medusa.safetensors]
+        [--kind sequential|medusa] [--minutes 20] [--output results/smollm2-medusa.safetensors]
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ TEMPLATES = [
     "Explain {} in simple terms.", "Write a short paragraph about {}.", "What are three facts about {}?",
     "Give me some advice about {}.", "Why is {} important?", "Describe the history of {} briefly.",
     "Write a short poem about {}.", "What are the pros and cons of {}?", "How would you teach a child about {}?",
-    "Summarize what people should know about {}.",
+    "Summarize what people should know about {}.", "Tell me a fun fact about {}.",
+    "What is a common misconception about {}?", "How do I get started with {}?",
+    "Can you recommend a good way to learn about {}?", "Write a friendly note to a friend about {}.",
 ]
 TOPICS = [
     "the ocean", "volcanoes", "photosynthesis", "the moon", "bicycles", "coffee", "the internet", "bees",
@@ -101,18 +106,28 @@ def final_hidden(model, convs: list[tuple[list[int], list[int]]], hidden_size: i
 
 
 def examples(hidden: list[torch.Tensor], convs, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (hidden at answer position t) and targets (num_rows, num_heads): head k's is the
-    answer token k places after the LM head's, -100 past the answer's end."""
-    rows, targets = [], []
+    """Rows (hidden at answer position t) and their tokens (num_rows, num_heads + 1): the LM
+    head's (answer token t), then head k's target, the answer token k places after it; -100
+    past the answer's end."""
+    rows, tokens = [], []
     for h, (_, answer) in zip(hidden, convs):
         n = len(answer)
-        t = torch.full((n, num_heads), -100, dtype=torch.long)
-        for k in range(1, num_heads + 1):
+        t = torch.full((n, num_heads + 1), -100, dtype=torch.long)
+        for k in range(num_heads + 1):
             if n > k:
-                t[:n - k, k - 1] = torch.tensor(answer[k:])
+                t[:n - k, k] = torch.tensor(answer[k:])
         rows.append(h)
-        targets.append(t)
-    return torch.cat(rows), torch.cat(targets)
+        tokens.append(t)
+    return torch.cat(rows), torch.cat(tokens)
+
+
+def draft_vocab(convs, size: int) -> torch.Tensor:
+    """The `size` most frequent tokens of the answers (ties by id): what the heads may guess."""
+    counts: dict[int, int] = {}
+    for _, answer in convs:
+        for t in answer:
+            counts[t] = counts.get(t, 0) + 1
+    return torch.tensor(sorted(counts, key=lambda t: (-counts[t], t))[:size], dtype=torch.long)
 
 
 def lm_head_matrix(info) -> torch.Tensor:
@@ -123,36 +138,43 @@ def lm_head_matrix(info) -> torch.Tensor:
         return found[name].load().float()
 
 
-def loss_of(heads: MedusaHeads, lm_head: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = heads(x) @ lm_head.T  # (num_heads, rows, vocab)
-    return F.cross_entropy(logits.flatten(0, 1), y.T.flatten(), ignore_index=-100)
+def loss_of(heads: MedusaHeads, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the draft vocabulary (a target outside it is not counted)."""
+    logits = heads(x, y[:, :-1].clamp(min=0))  # (num_heads, rows, draft vocab)
+    targets = y[:, 1:].T
+    rows = heads.index[targets.clamp(min=0)]
+    rows = rows.masked_fill((targets < 0) | (rows < 0), -100)
+    return F.cross_entropy(logits.flatten(0, 1), rows.flatten(), ignore_index=-100)
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, lm_head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, top_k: int,
-             rows_per_batch: int = 512) -> dict:
+def evaluate(heads: MedusaHeads, x: torch.Tensor, y: torch.Tensor, top_k: int, rows_per_batch: int = 512) -> dict:
+    """Each head's top-1 and top-k accuracy given the tokens before its guess, and the tokens
+    per greedy step of a chain of first guesses: 1 + the leading heads right (a sequential
+    head reads the true tokens before its guess, which are its chain's while the heads
+    before it are right)."""
     top1 = torch.zeros(heads.num_heads)
     topk = torch.zeros(heads.num_heads)
     counted = torch.zeros(heads.num_heads)
     chain = []
     for s in range(0, len(x), rows_per_batch):
-        logits = heads(x[s:s + rows_per_batch]) @ lm_head.T
-        target = y[s:s + rows_per_batch].T  # (num_heads, rows)
+        yb = y[s:s + rows_per_batch]
+        logits = heads(x[s:s + rows_per_batch], yb[:, :-1].clamp(min=0))
+        target = yb[:, 1:].T  # (num_heads, rows)
         valid = target >= 0
-        best = logits.topk(top_k, dim=-1).indices  # (num_heads, rows, top_k)
+        best = heads.vocab[logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices]  # (num_heads, rows, top_k)
         hit1 = (best[..., 0] == target) & valid
         top1 += hit1.sum(1)
         topk += ((best == target[..., None]).any(-1) & valid).sum(1)
         counted += valid.sum(1)
-        run = torch.cumprod(hit1.int(), dim=0).sum(0)  # leading heads right, per row
-        chain.append(run)
+        chain.append(torch.cumprod(hit1.int(), dim=0).sum(0))  # leading heads right, per row
     accepted = torch.cat(chain).float().mean().item()
     return {"top1": (top1 / counted).tolist(), f"top{top_k}": (topk / counted).tolist(),
             "chain_tokens_per_step": 1.0 + accepted, "rows": len(x)}
 
 
-def train(heads: MedusaHeads, lm_head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int,
-          lr: float, deadline: float = float("inf"), report=None) -> tuple[int, list[float]]:
+def train(heads: MedusaHeads, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int, lr: float,
+          deadline: float = float("inf"), report=None) -> tuple[int, list[float]]:
     """AdamW on shuffled batches of (x, y) for `epochs`, or until time.monotonic() passes
     `deadline` (an epoch cut short is not counted); returns the optimizer steps and each
     whole epoch's mean loss. `report(epoch, loss)`: called after each whole epoch."""
@@ -167,7 +189,7 @@ def train(heads: MedusaHeads, lm_head: torch.Tensor, x: torch.Tensor, y: torch.T
             if time.monotonic() > deadline:
                 return steps, losses
             idx = torch.tensor(order[s:s + batch])
-            loss = loss_of(heads, lm_head, x[idx], y[idx])
+            loss = loss_of(heads, x[idx], y[idx])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -178,6 +200,13 @@ def train(heads: MedusaHeads, lm_head: torch.Tensor, x: torch.Tensor, y: torch.T
     return steps, losses
 
 
+def new_heads(info, convs, num_heads: int, num_layers: int, vocab_size: int, sequential: bool) -> MedusaHeads:
+    """Untrained heads for the model of `info` over the draft vocabulary of `convs`' answers."""
+    vocab = draft_vocab(convs, vocab_size)
+    return MedusaHeads(info.hidden_size, num_heads, vocab, lm_head_matrix(info)[vocab], info.vocab_size,
+                       num_layers, sequential)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
@@ -185,10 +214,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=192, help="answer tokens per prompt")
     ap.add_argument("--minutes", type=float, default=20.0, help="the whole run's budget, data included")
-    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: the answers' most frequent tokens")
+    ap.add_argument("--kind", choices=("sequential", "medusa"), default="sequential",
+                    help="sequential: each head also reads the tokens before its guess (Hydra); medusa: h_t alone")
     ap.add_argument("--topics", type=int, default=len(TOPICS), help="training topics (of the fixed list)")
     ap.add_argument("--output", default="results/smollm2-medusa.safetensors")
     args = ap.parse_args()
@@ -211,19 +243,19 @@ def main() -> None:
     print(f"{len(train_convs)} training answers ({len(x)} positions), {len(held_convs)} held out ({len(hx)}); "
           f"data in {data_seconds:.0f} s")
 
-    lm_head = lm_head_matrix(info)
-    heads = MedusaHeads(info.hidden_size, args.heads, args.layers)
-    before = evaluate(heads, lm_head, hx, hy, args.top_k)
+    heads = new_heads(info, train_convs, args.heads, args.layers, args.vocab, args.kind == "sequential")
+    before = evaluate(heads, hx, hy, args.top_k)
     deadline = started + 60 * args.minutes - 60  # a minute for the last evaluation
-    steps, losses = train(heads, lm_head, x, y, args.epochs, args.batch, args.lr, deadline,
+    steps, losses = train(heads, x, y, args.epochs, args.batch, args.lr, deadline,
                           lambda epoch, loss: print(f"epoch {epoch}: mean loss {loss:.3f} "
                                                     f"({time.monotonic() - started:.0f} s)"))
     epochs_done = len(losses)
-    after = evaluate(heads, lm_head, hx, hy, args.top_k)
+    after = evaluate(heads, hx, hy, args.top_k)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     heads.save(out)
-    result = {"model": args.model, "heads": args.heads, "layers": args.layers, "epochs": epochs_done,
+    result = {"model": args.model, "kind": args.kind, "heads": args.heads, "layers": args.layers,
+              "draft_vocab": len(heads.vocab), "epochs": epochs_done,
               "optimizer_steps": steps, "epoch_losses": losses, "train_positions": len(x), "held_out_positions": len(hx),
               "seconds": time.monotonic() - started, "data_seconds": data_seconds,
               "untrained": before, "trained": after, "file": str(out)}

@@ -12,6 +12,12 @@
 // exp): the avx2 build's plain loops, as the compiler vectorized them, read the cache well
 // below the memory's bandwidth (scripts/bench_decode_attention.py).
 //
+// `skip` (optional, one int64 per query): keys of the query's last 64 positions it does not
+// attend to, bit j for the key at position len - 1 - j: a verify step's rows of a draft tree
+// (engine/speculative/tree.py) see the sequence's cache and their own path through the tree,
+// not the branches beside it. A block holding such a key takes the plain loop, which masks
+// its scores; the other blocks are unchanged.
+//
 // Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_library.py
 // builds this file and registers the op's shape function for torch.compile).
 
@@ -269,7 +275,7 @@ inline void copy_rows(const scalar_t* src, scalar_t* dst, int64_t rows, int64_t 
 
 template <typename scalar_t, typename cache_t, int64_t DIM>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-            const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+            const at::Tensor& seq_lens, const int64_t* skips, float scale, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), dim = DIM ? DIM : q.size(2), row = row_length<cache_t>(dim);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t width = block_tables.size(1), slot_stride = kv_heads * row, block_stride = block_size * slot_stride;
@@ -298,6 +304,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<cache_t> kbuf(block_size * kept), vbuf(block_size * kept);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / splits, first_head = task % splits * per_task, len = lens[seq];
+      const uint64_t skip = skips ? static_cast<uint64_t>(skips[seq]) : 0;
       const int64_t* table = tables + seq * width;
       const int64_t blocks = (len + block_size - 1) / block_size;
       const scalar_t* q_first = qs + (seq * heads + first_head * group) * dim;
@@ -320,13 +327,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         copy_rows(vs + source, vbuf.data(), rows, slot_stride, kept);
         const cache_t* kb = kbuf.data();
         const cache_t* vb = vbuf.data();
+        uint64_t skipped = 0;  // bit t: the block's row t is not attended
+        if (skip)
+          for (int64_t t = 0; t < rows; ++t) {
+            const int64_t back = len - 1 - (b * block_size + t);
+            if (back < 64 && (skip >> back) & 1) skipped |= uint64_t{1} << t;
+          }
         for (int64_t h = 0; h < per_task; ++h) {
           const int64_t offset = h * row;
           const float* qh = query.data() + h * group * dim;
           float* ah = acc.data() + h * group * dim;
 #if defined(__AVX512F__)
           if constexpr (kVectorized<cache_t, DIM>) {
-            if (block_size <= 16) {
+            if (block_size <= 16 && !skipped) {
               attend_block_heads<cache_t, DIM>(qh, kb + offset, vb + offset, kept, rows, group,
                                                 top.data() + h * group, total.data() + h * group, ah);
               continue;
@@ -334,7 +347,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           }
 #elif defined(__AVX2__) && defined(__FMA__)
           if constexpr (kVectorized8<cache_t, DIM>) {
-            if (block_size <= 16) {
+            if (block_size <= 16 && !skipped) {
               attend_block8<cache_t, DIM>(qh, kb + offset, vb + offset, kept, rows, group, top.data() + h * group,
                                           total.data() + h * group, ah);
               continue;
@@ -346,6 +359,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             score_key<cache_t, DIM>(qh, kb + offset + t * kept, group, dim, unpacked.data(), sh + t, block_size);
           for (int64_t g = 0; g < group; ++g) {
             float* sg = sh + g * block_size;
+            for (int64_t t = 0; t < rows; ++t)
+              if ((skipped >> t) & 1) sg[t] = -1e30f;  // finite: exp of it less the max is 0
             const int64_t r = h * group + g;
             const float new_top = std::max(top[r], *std::max_element(sg, sg + rows));
             const float rescale = std::exp(top[r] - new_top);
@@ -374,17 +389,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 template <typename scalar_t, typename cache_t>
 void decode_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* skips, float scale,
+                     at::Tensor& out) {
   if (q.size(2) == 64)
-    decode<scalar_t, cache_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    decode<scalar_t, cache_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, skips, scale, out);
   else if (q.size(2) == 128)
-    decode<scalar_t, cache_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    decode<scalar_t, cache_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, skips, scale, out);
   else
-    decode<scalar_t, cache_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    decode<scalar_t, cache_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, skips, scale, out);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  const std::optional<at::Tensor>& skip) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
               "q (n, heads, head_dim) and a cache (blocks, block_size, kv_heads, head_dim)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
@@ -412,12 +429,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < num_blocks, "block id ", table[i * width + b],
                   " outside the cache's ", num_blocks, " blocks");
   }
+  at::Tensor skips;
+  if (skip.has_value()) {
+    skips = skip->contiguous();
+    TORCH_CHECK(skips.scalar_type() == at::kLong && skips.numel() == q.size(0), "skip: one int64 per query");
+    const int64_t* bits = skips.data_ptr<int64_t>();
+    for (int64_t i = 0; i < q.size(0); ++i)
+      TORCH_CHECK((bits[i] & 1) == 0, "query ", i, " skips its own key (bit 0 of skip)");
+  }
+  const int64_t* skip_bits = skip.has_value() ? skips.data_ptr<int64_t>() : nullptr;
   at::Tensor out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     if (int8)
-      decode_head_dim<scalar_t, int8_t>(query, k_cache, v_cache, tables, lens, static_cast<float>(scale), out);
+      decode_head_dim<scalar_t, int8_t>(query, k_cache, v_cache, tables, lens, skip_bits, static_cast<float>(scale),
+                                        out);
     else
-      decode_head_dim<scalar_t, scalar_t>(query, k_cache, v_cache, tables, lens, static_cast<float>(scale), out);
+      decode_head_dim<scalar_t, scalar_t>(query, k_cache, v_cache, tables, lens, skip_bits, static_cast<float>(scale),
+                                          out);
   });
   return out;
 }
@@ -426,7 +454,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(MESHSERVE_NS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? skip=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

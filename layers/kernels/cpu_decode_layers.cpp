@@ -1,5 +1,5 @@
 // decode_layers(hidden, residual, weights, k_caches, v_caches, cos, sin, slots, block_tables,
-// seq_lens, eps, scale, heads, kv_heads, product) -> (hidden, residual): a run of Llama decoder
+// seq_lens, eps, scale, heads, kv_heads, product, ..., skip) -> (hidden, residual): a run of Llama decoder
 // layers (RMSNorm, fused QKV, rotary, paged attention, o_proj, RMSNorm, fused gate/up,
 // SiLU-and-mul, down) over a decode-only step of one rank, in one call.
 //
@@ -102,7 +102,8 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
                    double scale, int64_t heads, int64_t kv_heads, c10::string_view product_name,
-                   const std::optional<at::Tensor>& lora_slots, at::TensorList lora, bool fused_silu) {
+                   const std::optional<at::Tensor>& lora_slots, at::TensorList lora, bool fused_silu,
+                   const std::optional<at::Tensor>& skip) {
   static const auto dense = library_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("dense_linear");
   static const auto amx_linear = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear");
   static const auto amx_w8a8 =
@@ -128,7 +129,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
       library_op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>("rotary");
   static const auto attend =
       library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double)>("paged_decode_attention");
+                            const at::Tensor&, double, const std::optional<at::Tensor>&)>("paged_decode_attention");
   static const auto silu_and_mul = library_op<at::Tensor(const at::Tensor&)>("silu_and_mul");
   static const auto amx_linear_silu =
       library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear_silu");
@@ -192,7 +193,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
     std::tie(q, k) = rotary.call(q, k, cos, sin);
     store_rows(int8 ? quantize_kv.call(k) : k, k_cache, slot);
     store_rows(int8 ? quantize_kv.call(v) : v, v_cache, slot);
-    const at::Tensor attended = attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
+    const at::Tensor attended = attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale, skip);
     const at::Tensor flat = attended.view({tokens, heads * dim});
     const at::Tensor o = with_lora(product(flat, o_w, width), flat, ab + (adapters ? 2 : 0));
     std::tie(x, res) = norm.call(o, w[1 + 2 * per_product], eps, res);
@@ -211,7 +212,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, float eps, float scale, "
-        "int heads, int kv_heads, str product, Tensor? lora_slots, Tensor[] lora, bool fused_silu) "
+        "int heads, int kv_heads, str product, Tensor? lora_slots, Tensor[] lora, bool fused_silu, Tensor? skip=None) "
         "-> (Tensor, Tensor)");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }

@@ -191,7 +191,7 @@ def runnable_isas() -> tuple[str, ...]:
     return cpu_features().runnable_isas
 
 
-def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, seq_lens, scale, skip=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

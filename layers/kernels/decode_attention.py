@@ -30,12 +30,12 @@ MIN_TILES_PER_SPLIT = 4
 
 
 @triton.jit(do_not_specialize=["stride_tab"])  # it varies with the batch: one compiled variant
-def _decode_kernel(Q, K, V, O, LSE, ROWS, TABLES, LENS,
+def _decode_kernel(Q, K, V, O, LSE, ROWS, TABLES, LENS, SKIPS,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls, stride_tab,
                    scale_log2, split_len,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
                    PARTIAL: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -45,6 +45,8 @@ def _decode_kernel(Q, K, V, O, LSE, ROWS, TABLES, LENS,
     else:
         row = seq
     length = tl.load(LENS + seq)
+    if HAS_SKIP:
+        skip = tl.load(SKIPS + seq)
     lo = split * split_len
     hi = tl.minimum(length, lo + split_len)
 
@@ -69,8 +71,13 @@ def _decode_kernel(Q, K, V, O, LSE, ROWS, TABLES, LENS,
         k = tl.load(K + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SKIP:  # a draft tree's row: not the keys of the branches beside its path
+            back = length - 1 - pos
+            bit = (skip >> tl.minimum(tl.maximum(back, 0), 63)) & 1
+            valid = valid & ((back >= 64) | (bit == 0))
         s = tl.where(valid[None, :], s, float("-inf"))
-        # every tile holds a valid token, so m_new is finite
+        # every tile holds a valid token (a row's own key is never skipped, and skipped keys
+        # are within the last 64 of a tile or slice at least that long), so m_new is finite
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -136,7 +143,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: i
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, *, max_len: int, rows: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, num_splits: int = 1, return_lse: bool = False,
-                           block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           block_n: int | None = None, skip: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of one query per sequence over its cached tokens.
 
     q: (num_tokens, num_heads, head_dim), last dim contiguous; the queries are the rows
@@ -144,7 +152,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads, head_dim). block_tables: (num_seqs, max_blocks) block ids; context_lens:
     (num_seqs,) tokens to attend to (0 allowed); max_len: their maximum, known on the host.
     Writes the rows of `out` (default: a new tensor like q) and returns (out, lse), lse
-    (num_seqs, num_heads) float32 when `return_lse`, else None."""
+    (num_seqs, num_heads) float32 when `return_lse`, else None. `skip` (num_seqs,) int64: keys
+    each query does not attend to, bit j for position context_len - 1 - j (a draft tree's
+    rows; bit 0 never set)."""
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -164,13 +174,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rows_arg = rows if has_rows else context_lens  # unused when not HAS_ROWS
     common = dict(GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
                   BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-                  HAS_ROWS=has_rows, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                  HAS_ROWS=has_rows, HAS_SKIP=skip is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     grid = (num_seqs, num_kv_heads, num_splits)
     scale_log2 = scale * LOG2E
     if num_splits == 1:
         lse_arg = lse if lse is not None else out  # unused when not STORE_LSE
         lse_strides = (lse.stride(0), lse.stride(1), 0) if lse is not None else (0, 0, 0)
         _decode_kernel[grid](q, k_cache, v_cache, out, lse_arg, rows_arg, block_tables, context_lens,
+                             skip if skip is not None else context_lens,
                              q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
                              out.stride(0), out.stride(1), 0, *lse_strides, block_tables.stride(0),
                              scale_log2, split_len, PARTIAL=False, STORE_LSE=lse is not None, **common)
@@ -178,6 +189,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[grid](q, k_cache, v_cache, part_out, part_lse, rows_arg, block_tables, context_lens,
+                         skip if skip is not None else context_lens,
                          q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
                          *part_out.stride()[:3], *part_lse.stride(), block_tables.stride(0),
                          scale_log2, split_len, PARTIAL=True, STORE_LSE=True, **common)

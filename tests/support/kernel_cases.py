@@ -153,10 +153,15 @@ def check_prefill_lse(dtype, device, block_size: int, heads: int, kv_heads: int,
     return [("out", err(out, want), OUT_TOL[dtype]), ("lse", err(lse, want_lse), LSE_TOL[dtype])]
 
 
+TREE_SKIPS = [0, 0b10110, 0, 0b100, 0b1010]
+"""Keys each of check_decode's queries skips with `tree`: bit j, the key at position len - 1 - j."""
+
+
 def check_decode(dtype, device, block_size: int, heads: int, kv_heads: int, num_splits: int, head_dim: int = 16,
-                 seed: int = 2) -> list[Row]:
+                 seed: int = 2, tree: bool = False) -> list[Row]:
     """paged_decode_attention with LSE over ragged contexts (one of them empty), split into
-    `num_splits` slices, vs math."""
+    `num_splits` slices, vs math; with `tree`, queries skipping some of their last keys (a
+    draft tree's rows)."""
     from meshserve.layers.kernels.decode_attention import paged_decode_attention
 
     lens = [1, 37, 0, 9, 64]
@@ -165,11 +170,15 @@ def check_decode(dtype, device, block_size: int, heads: int, kv_heads: int, num_
     width = max(len(t) for t in tables)
     tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
     out, lse = paged_decode_attention(q, kc, vc, tab, torch.tensor(lens, device=device), head_dim ** -0.5,
-                                      max_len=max(lens), num_splits=num_splits, return_lse=True, block_n=16)
+                                      max_len=max(lens), num_splits=num_splits, return_lse=True, block_n=16,
+                                      skip=torch.tensor(TREE_SKIPS, device=device) if tree else None)
     want, want_lse = [], []
     for i, (n, table) in enumerate(zip(lens, tables)):
-        o, l = math_attention(q[i:i + 1], gather(kc, table, n), gather(vc, table, n), head_dim ** -0.5,
-                              torch.ones(1, n, dtype=torch.bool, device=device))
+        visible = torch.ones(1, n, dtype=torch.bool, device=device)
+        for j in range(n if tree else 0):
+            if TREE_SKIPS[i] >> j & 1:
+                visible[0, n - 1 - j] = False
+        o, l = math_attention(q[i:i + 1], gather(kc, table, n), gather(vc, table, n), head_dim ** -0.5, visible)
         want.append(o)
         want_lse.append(l)
     return [("out", err(out, torch.cat(want)), OUT_TOL[dtype]), ("lse", err(lse, torch.cat(want_lse)), LSE_TOL[dtype])]
@@ -320,6 +329,7 @@ KERNEL_CHECKS = {
     "decode bs4 gqa2": (check_decode, dict(block_size=4, heads=4, kv_heads=2, num_splits=1)),
     "decode bs16 mqa8 split3": (check_decode, dict(block_size=16, heads=8, kv_heads=1, num_splits=3)),
     "decode bs2 mha split2 d24": (check_decode, dict(block_size=2, heads=3, kv_heads=3, num_splits=2, head_dim=24)),
+    "decode tree bs4 gqa2 split2": (check_decode, dict(block_size=4, heads=4, kv_heads=2, num_splits=2, tree=True)),
     "context parallel parts": (check_context_parallel_parts, {}),
     "context parallel step": (check_cp_attention, {}),
     "rms_norm 64": (check_rms_norm, dict(hidden=64)),

@@ -5,7 +5,9 @@ float16; head sizes on its vector path (multiples of 16) and off it; GQA groups 
 6 (its block path takes up to 4 query heads at a time); blocks of up to 16 tokens (the
 block path) and of 32; lengths of one token, whole blocks and partial ones; few sequences (a task per KV
 head) and many (a task per sequence); inside torch.compile. Then the whole model with the
-cpu backend against the torch backend, and the kernel's refusals of bad tables.
+cpu backend against the torch backend, and the kernel's refusals of bad tables. Queries that
+skip some of their last keys (a draft tree's rows) against float64 attention without them,
+and the torch backend's dense mask of the same skips.
 
 Its prefill kernel against float64 causal attention per chunk: the same dtypes, head sizes
 on and off its vector paths, chunks shorter and longer than its 16-query tiles, strided
@@ -240,3 +242,67 @@ def test_store_kv_writes_what_index_copy_writes_and_refuses_slots_outside_the_ca
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
     with pytest.raises(RuntimeError, match="slot 160 outside the cache's 160"):
         cpu_build.ops.store_kv(k[:1], v[:1], caches[0], caches[1], torch.tensor([160]))
+
+
+def skipping_reference(q, k_cache, v_cache, tables, lens, scale, skips):
+    """reference() with each query's keys at len - 1 - j left out for the bits j of its skip."""
+    n, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    out = torch.empty(n, heads, head_dim, dtype=torch.float64)
+    for i in range(n):
+        seen = [p for p in range(int(lens[i])) if not skips[i] >> (int(lens[i]) - 1 - p) & 1]
+        keys = k_cache[tables[i]].flatten(0, 1)[seen].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache[tables[i]].flatten(0, 1)[seen].double().repeat_interleave(heads // kv_heads, dim=1)
+        weights = (torch.einsum("hd,khd->hk", q[i].double(), keys) * scale).softmax(-1)
+        out[i] = torch.einsum("hk,khd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 2, 24)])
+@pytest.mark.parametrize("n,block_size", [(3, 16), (9, 4)])
+def test_a_draft_trees_rows_skip_the_keys_beside_their_path(dtype, heads, kv_heads, head_dim, n, block_size,
+                                                            two_threads, cpu_build):
+    """Queries that skip some of their last keys (bit j of `skip`: the key j before their
+    own; across block edges, on the vector paths and off them) against float64 attention
+    without those keys; the torch backend's dense decode mask (attention.set_tree_skips)
+    agrees; a query may not skip its own key."""
+    lens = [40, 41, 17, 18, 33, 70, 5, 20, 21][:n]
+    skips = [0b1011010, 0b10, 0b110, 0, 0b1111111111111110, 0b100, 0b10, 1 << 15, 0b11100][:n]
+    q, k_cache, v_cache, tables, lens_t = make_case(n, heads, kv_heads, head_dim, block_size, lens, dtype)
+    scale = head_dim ** -0.5
+    skip_t = torch.tensor(skips, dtype=torch.long)
+    got = cpu_attention.paged_decode_attention(cpu_build, q, k_cache, v_cache, tables, lens_t, scale, skip_t)
+    want = skipping_reference(q, k_cache, v_cache, tables, lens_t, scale, skips)
+    torch.testing.assert_close(got.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    plain = cpu_attention.paged_decode_attention(cpu_build, q, k_cache, v_cache, tables, lens_t, scale)
+    assert not torch.allclose(plain, got)
+    with pytest.raises(RuntimeError, match="query 0 skips its own key"):
+        cpu_attention.paged_decode_attention(cpu_build, q, k_cache, v_cache, tables, lens_t, scale, skip_t | 1)
+
+
+def test_tree_skips_reach_the_torch_and_cpu_backends_alike(cpu_build):
+    """One step of decode rows, two of them a tree's (attention.set_tree_skips on each
+    backend's metadata): the torch backend's masked SDPA and the C++ kernel agree, and a
+    skip on a row that is not a decode row is refused."""
+    block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(12, block_size, kv_heads, head_dim, generator=g) for _ in range(2))
+    query_lens, seq_lens, tables = [1, 3], [7, 10], [[3, 5], [0, 2, 9]]
+    q = torch.randn(4, heads, head_dim, generator=g)
+    k, v = (torch.randn(4, kv_heads, head_dim, generator=g) for _ in range(2))
+    row_skips = [0, 0, 0, 0b10]  # the chunk's rows 1 and 2 are siblings under its row 0
+    torch_meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    attention.set_tree_skips(torch_meta, row_skips)
+    cpu_meta = build_cpu_metadata(query_lens, seq_lens, tables, block_size)
+    attention.set_tree_skips(cpu_meta, row_skips)
+    assert cpu_meta.decode_skip.tolist() == [0, 0, 0, 0b10]
+    want = paged_attention(q, k, v, (k_cache.clone(), v_cache.clone()), torch_meta, head_dim ** -0.5)
+    got = CpuBackend(cpu_build).attention(q, k, v, (k_cache.clone(), v_cache.clone()), cpu_meta, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    unmasked = paged_attention(q, k, v, (k_cache.clone(), v_cache.clone()),
+                               build_attention_metadata(query_lens, seq_lens, tables, block_size), head_dim ** -0.5)
+    assert torch.allclose(unmasked[:3], want[:3]) and not torch.allclose(unmasked[3], want[3])
+    prefill = build_cpu_metadata([20], [20], [[0, 1, 2, 3, 4]], block_size)
+    with pytest.raises(ValueError, match="not a decode row"):
+        attention.set_tree_skips(prefill, [0] * 19 + [0b10])

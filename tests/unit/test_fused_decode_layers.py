@@ -14,6 +14,7 @@ import torch
 from meshserve.comm.messages import SamplingParams
 from meshserve.configs.cpu_features import cpu_features
 from meshserve.engine.offline import generate
+from meshserve.layers.attention import set_tree_skips
 from support.checkpoints import make_checkpoint
 from support.engines import make_engine
 from support.reference import hf_greedy, hf_model
@@ -92,10 +93,12 @@ def test_a_bf16_checkpoint_served_in_float32_keeps_its_weights_in_bf16(tiny_chec
     assert float32.kept_in_bf16() == (0, dense) and "kept in bf16" not in float32.describe()  # float32 numbers stay
 
 
-def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tiny_checkpoints):
+@pytest.mark.parametrize("tree", [False, True], ids=["plain", "tree-skips"])
+def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tiny_checkpoints, tree):
     """A residual given (a pipeline stage after the first) and some slots of a fresh cache:
     the fused call and the loop write the same K/V rows and return the same (hidden,
-    residual)."""
+    residual); also with a row that skips keys (a draft tree's, attention.set_tree_skips),
+    which then differs from the row that sees them all."""
     engine = make_engine(tiny_checkpoints["llama"], *AVX2)
     runner = engine.executor.runner
     model, backend, fused_layers = runner.model.model, runner.model.backend, runner.decode.eager.fused
@@ -105,6 +108,8 @@ def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tin
     lens = [5, 9, 2]
     tables = [[0, 1], [2, 3, 4], [5]]
     meta = backend.build_metadata([1] * n, lens, tables, block)
+    if tree:
+        set_tree_skips(meta, [0, 0b110, 0])
     assert meta.decode_only
     hidden = torch.randn(n, info.hidden_size, generator=g)
     residual = torch.randn(n, info.hidden_size, generator=g)
@@ -123,6 +128,10 @@ def test_a_later_stage_s_input_gives_the_loop_s_hidden_states_and_cache_rows(tin
     for (k, v), (k_ref, v_ref) in zip(caches, copies):
         torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(v, v_ref, rtol=1e-6, atol=1e-6)
+    if tree:
+        with torch.no_grad():
+            seeing_all = fused_layers(rope, hidden, residual, caches, backend.build_metadata([1] * n, lens, tables, block))
+        assert torch.equal(seeing_all[0][[0, 2]], fused[0][[0, 2]]) and not torch.allclose(seeing_all[0][1], fused[0][1])
 
 
 @pytest.mark.skipif(not (cpu_features().runs("avx512") and cpu_features().amx_int8),

@@ -388,14 +388,18 @@ def test_seeded_sampling_is_the_output_without_speculation(tiny):
 
 @pytest.fixture(scope="module")
 def tiny_heads(tiny, tmp_path_factory):
-    return self_distilled_heads(tiny, PROMPTS, tmp_path_factory.mktemp("heads") / "heads.safetensors")
+    return {kind: self_distilled_heads(tiny, PROMPTS, tmp_path_factory.mktemp("heads") / f"{kind}.safetensors",
+                                       sequential=kind == "sequential")
+            for kind in ("sequential", "medusa")}
 
 
-def test_medusa_heads_give_the_output_without_speculation(tiny, tiny_heads):
-    """The heads' guesses, made on the step's last hidden state and returned with its tokens,
-    are the next step's drafts: greedy (with logprobs) and seeded sampled output are the
-    output without speculation, and guesses are accepted."""
-    medusa = ["speculative.method=medusa", f"speculative.heads={tiny_heads}", "speculative.adaptive=false"]
+@pytest.mark.parametrize("kind", ["sequential", "medusa"])
+def test_medusa_heads_give_the_output_without_speculation(tiny, tiny_heads, kind):
+    """The heads' guesses, made on the step's last hidden state (and, sequential, on the
+    token sampled there) and returned with its tokens, are the next step's drafts: greedy
+    (with logprobs) and seeded sampled output are the output without speculation, and
+    guesses are accepted."""
+    medusa = ["speculative.method=medusa", f"speculative.heads={tiny_heads[kind]}", "speculative.adaptive=false"]
     params = ([SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)] * len(PROMPTS)
               + [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
                  for s in range(len(PROMPTS))])
@@ -409,13 +413,21 @@ def test_medusa_heads_give_the_output_without_speculation(tiny, tiny_heads):
     assert len(stats.accepted_per_position) == 8 and stats.accepted_per_position[3] == 0  # three heads: 3 drafts
 
 
-def test_medusa_heads_of_another_hidden_size_are_a_config_error(tiny, tmp_path):
+def test_heads_for_another_model_are_a_config_error(tiny, tmp_path):
     from meshserve.configs import ConfigError
+    from meshserve.configs.model_info import read_model_info
     from meshserve.layers.medusa import MedusaHeads
 
-    MedusaHeads(32, 2).save(tmp_path / "h.safetensors")
-    with pytest.raises(ConfigError, match=r"heads for hidden_size=32, the model's is 64"):
-        make_engine(tiny, "speculative.method=medusa", f"speculative.heads={tmp_path / 'h.safetensors'}")
+    def heads(hidden: int, vocab: int):
+        path = tmp_path / f"h{hidden}-{vocab}.safetensors"
+        MedusaHeads(hidden, 2, torch.arange(5), torch.zeros(5, hidden), vocab).save(path)
+        return ["speculative.method=medusa", f"speculative.heads={path}"]
+
+    vocab = read_model_info(str(tiny)).vocab_size
+    with pytest.raises(ConfigError, match=r"heads for hidden_size=32, the model has 64"):
+        make_engine(tiny, *heads(32, vocab))
+    with pytest.raises(ConfigError, match=rf"heads for a vocabulary of 77 tokens, the model has {vocab}"):
+        make_engine(tiny, *heads(64, 77))
 
 
 class FixedProposer:

@@ -1,7 +1,7 @@
 """meshserve's Triton kernels on CPU, in Triton's interpreter, against float64 math and the
 torch backend: paged decode and prefill attention with their LSEs (block sizes 1 to 64,
 MHA/GQA/MQA, ragged lengths, block tables with holes, chunks after a cached prefix, split
-decode), context parallelism's LSE parts, fused RMSNorm + residual, in-place rotary; in
+decode, decode rows skipping keys as a draft tree's do), context parallelism's LSE parts, fused RMSNorm + residual, in-place rotary; in
 float32 and float16. Then the whole model (float32) with the Triton backend forced: the
 same greedy tokens as the torch backend, and logits within 1e-4 of its scale.
 
