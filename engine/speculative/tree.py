@@ -11,16 +11,16 @@ its own path (its ancestors and itself), nothing else of the step."""
 
 from __future__ import annotations
 
+from meshserve.configs.heads_file import tree_problem
+
 
 class TreeShape:
     def __init__(self, paths: list[list[int]] | list[tuple[int, ...]]):
+        problem = tree_problem([list(p) for p in paths])
+        if problem:
+            raise ValueError(problem)
         self.paths = sorted({tuple(p) for p in paths})
-        if not self.paths or any(not p or min(p) < 0 for p in self.paths):
-            raise ValueError("a tree shape is a non-empty list of non-empty paths of guess indices (0: the first)")
         index = {p: i for i, p in enumerate(self.paths)}
-        missing = [p[:-1] for p in self.paths if len(p) > 1 and p[:-1] not in index]
-        if missing:
-            raise ValueError(f"tree path {list(missing[0])} is missing (every prefix of a path must be a path)")
         self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
         self.depths = [len(p) for p in self.paths]
         self.depth = max(self.depths)
@@ -59,3 +59,13 @@ def accept_path(row_tokens: list[int], tokens: list[int], parents: list[int]) ->
             return path
         path.append(child)
         node = child
+
+
+def row_skips(parents: list[int]) -> list[int]:
+    """Of a verify step's rows for one tree, the keys each does not attend to among the rows
+    before it, bit j for the row j before it (layers.attention.set_tree_skips): the rows of
+    other branches."""
+    skips = []
+    for r, mask in enumerate(row_masks(parents)):
+        skips.append(sum(1 << (r - earlier) for earlier in range(r) if not mask >> earlier & 1))
+    return skips

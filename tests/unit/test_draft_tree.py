@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshserve.engine.speculative.tree import TreeShape, accept_path, row_masks
+from meshserve.engine.speculative.tree import TreeShape, accept_path, row_masks, row_skips
 from meshserve.engine.speculative.verify import accept
 
 MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -65,3 +65,15 @@ def test_a_chain_is_kept_as_the_chain_rule_keeps_it(drafts, data):
     rows = data.draw(st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
     parents = list(range(-1, len(drafts) - 1))
     assert len(accept_path(rows, drafts, parents)) + 1 == accept(rows, [drafts])[0]
+
+
+def test_row_skips_leave_out_the_rows_of_other_branches():
+    # root's children 0 and 1; node 2 under node 0; node 3 under node 1
+    parents = [-1, -1, 0, 1]
+    skips = row_skips(parents)
+    assert skips[0] == 0 and skips[1] == 0  # the last token; node 0 sees it
+    assert skips[2] == 0b10  # node 1 (row 2) skips node 0 (row 1, one before it)
+    assert skips[3] == 0b10  # node 2 (row 3) under node 0 skips node 1 (row 2); sees rows 1 and 0
+    assert skips[4] == 0b1010  # node 3 (row 4) under node 1 skips node 2 (row 3) and node 0 (row 1)
+    chain = row_skips([-1, 0, 1])
+    assert chain == [0, 0, 0, 0]
