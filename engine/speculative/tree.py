@@ -27,6 +27,14 @@ class TreeShape:
         self.top_k = [1 + max(p[d] for p in self.paths if len(p) > d) for d in range(self.depth)]
         """Guesses needed of each head, nearest first."""
 
+    @property
+    def chain_length(self) -> int:
+        """The leading nodes that form a chain (the first guesses', depth-first first)."""
+        n = 0
+        while n < len(self.parents) and self.parents[n] == n - 1:
+            n += 1
+        return n
+
     def __len__(self) -> int:
         return len(self.paths)
 
@@ -69,3 +77,26 @@ def row_skips(parents: list[int]) -> list[int]:
     for r, mask in enumerate(row_masks(parents)):
         skips.append(sum(1 << (r - earlier) for earlier in range(r) if not mask >> earlier & 1))
     return skips
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Each node's path of tokens, root first (its ancestors', then its own)."""
+    paths: list[list[int]] = []
+    for token, parent in zip(tokens, parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [token])
+    return paths
+
+
+def placed(tokens: list[int], draft: list[int], parents: list[int]) -> int:
+    """Of the nodes a verify step kept (`tokens`: the kept tokens, the last the one sampled
+    after them), how many lead the path in their depth's row: node n's K/V went to the row
+    after the last token plus n + 1, where depth - 1 == n only along the chain of first
+    guesses (nodes sort depth-first). Those count as computed; the K/V of kept nodes after
+    them lie in other rows and are computed again."""
+    node, count = -1, 0
+    for i, token in enumerate(tokens[:-1]):
+        node = next(n for n, (t, p) in enumerate(zip(draft, parents)) if p == node and t == token)
+        if node != i:
+            break
+        count += 1
+    return count

@@ -413,6 +413,42 @@ def test_medusa_heads_give_the_output_without_speculation(tiny, tiny_heads, kind
     assert len(stats.accepted_per_position) == 8 and stats.accepted_per_position[3] == 0  # three heads: 3 drafts
 
 
+TREE = "speculative.tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
+
+
+@pytest.mark.parametrize("kind", ["sequential", "medusa"])
+def test_a_tree_of_the_heads_guesses_gives_the_output_without_speculation(tiny, tiny_heads, kind):
+    """A candidate tree (speculative.tree) verified in one step, each node attending to its
+    own path: greedy (with logprobs) and seeded sampled output are the output without
+    speculation; more guesses are accepted than with the chain of first guesses alone, and
+    some off that chain (kept nodes whose K/V are computed again)."""
+    base = ["speculative.method=medusa", f"speculative.heads={tiny_heads[kind]}", "speculative.adaptive=false"]
+    params = ([SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)] * len(PROMPTS)
+              + [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
+                 for s in range(len(PROMPTS))])
+    want = generate(make_engine(tiny), PROMPTS * 2, params)
+    tree = make_engine(tiny, *base, TREE)
+    got = generate(tree, PROMPTS * 2, params)
+    assert_same(got[:len(PROMPTS)], want[:len(PROMPTS)])
+    assert_same(got[len(PROMPTS):], want[len(PROMPTS):], logprobs=False)
+    chain = make_engine(tiny, *base)
+    generate(chain, PROMPTS * 2, params)
+    assert tree.speculator.stats.num_accepted_tokens > chain.speculator.stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize("tree, message", [
+    ("[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]", r"a tree 4 deep needs 4 heads, the heads file has 3"),
+    ("[[0, 1]]", r"tree path \[0\] is missing"),
+    ("[" + ", ".join(f"[{i}]" for i in range(16)) + "]", "a tree of 16 nodes; at most 15"),
+])
+def test_a_bad_tree_is_a_config_error(tiny, tiny_heads, tree, message):
+    from meshserve.configs import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_engine(tiny, "speculative.method=medusa", f"speculative.heads={tiny_heads['sequential']}",
+                    f"speculative.tree={tree}")
+
+
 def test_heads_for_another_model_are_a_config_error(tiny, tmp_path):
     from meshserve.configs import ConfigError
     from meshserve.configs.model_info import read_model_info
