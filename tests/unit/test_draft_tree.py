@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshserve.engine.speculative.tree import TreeShape, accept_path, row_masks, row_skips
+from meshserve.configs.heads_file import MAX_TREE_NODES
+from meshserve.engine.speculative.tree import TreeShape, accept_path, placed, row_masks, row_skips, tree_paths
 from meshserve.engine.speculative.verify import accept
 
 MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -44,7 +45,8 @@ def test_a_row_attends_to_its_path_only():
 
 
 trees = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=4), min_size=1, max_size=12).map(
-    lambda paths: sorted({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}))
+    lambda paths: sorted({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)})).filter(
+    lambda paths: len(paths) <= MAX_TREE_NODES)
 
 
 @settings(max_examples=300, deadline=None)
@@ -65,6 +67,21 @@ def test_a_chain_is_kept_as_the_chain_rule_keeps_it(drafts, data):
     rows = data.draw(st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
     parents = list(range(-1, len(drafts) - 1))
     assert len(accept_path(rows, drafts, parents)) + 1 == accept(rows, [drafts])[0]
+
+
+def test_placed_counts_the_kept_nodes_in_their_depths_row():
+    shape = TreeShape([[0], [1], [0, 0], [1, 0], [0, 0, 0]])  # nodes (0,), (0, 0), (0, 0, 0), (1,), (1, 0)
+    tokens = shape.tokens([[10, 11], [20], [30]])
+    assert tokens == [10, 20, 30, 11, 20]
+    assert placed([10, 20, 30, 7], tokens, shape.parents) == 3  # the chain: every node in place
+    assert placed([10, 7], tokens, shape.parents) == 1
+    assert placed([11, 20, 7], tokens, shape.parents) == 0  # node (1,) sits in row 4, not row 1
+    assert placed([7], tokens, shape.parents) == 0
+    assert shape.chain_length == 3 and TreeShape([[0], [1]]).chain_length == 1
+
+
+def test_a_node_s_path_is_its_ancestors_tokens_then_its_own():
+    assert tree_paths([10, 20, 11, 21], [-1, 0, -1, 2]) == [[10], [10, 20], [11], [11, 21]]
 
 
 def test_row_skips_leave_out_the_rows_of_other_branches():
