@@ -567,6 +567,70 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny):
     assert p_value > 1e-4, f"chi2 {chi2:.1f} (p {p_value:.2g}): {counts} vs {exact}"
 
 
+class TreeOfBoth:
+    """For the tree [[0], [0, 0], [1], [1, 0]] after a request's first token t1: both of
+    the target's top-2 tokens for t2 as the two branches, each with the likeliest t3 after
+    it (`branches[t1]`)."""
+
+    caught_up = 0
+
+    def __init__(self, branches: dict[int, list[int]]):
+        self.branches = branches
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        return [self.branches[seq.token_ids[seq.prompt_len]][:k] if seq.num_output_tokens == 1 else []
+                for seq, k in zip(seqs, max_tokens)]
+
+    def received(self, seq: Sequence, guesses: list[int]) -> None:
+        pass
+
+    def backlog(self, seq: Sequence) -> int:
+        return 0
+
+    def drop(self, seq_id: int) -> None:
+        pass
+
+
+def test_sampled_tokens_through_a_tree_follow_the_targets_distribution(tiny, tiny_heads):
+    """As the chain's chi-square test, with a tree holding both likely second tokens, each
+    with a third under it: whichever second token the target samples, a branch holds it."""
+    prompt = [11, 12, 13, 14]
+    base = make_engine(tiny)
+
+    def top2(tokens):
+        (c,) = generate(base, [tokens], SamplingParams(max_tokens=1, temperature=0, logprobs=2, ignore_eos=True))
+        ids, lps = zip(*c.logprobs[0].top)
+        z = sum(math.exp(v) for v in lps)
+        return {t: math.exp(v) / z for t, v in zip(ids, lps)}
+
+    exact: dict[tuple[int, int, int], float] = {}
+    branches: dict[int, list[int]] = {}
+    for t1, p1 in top2(prompt).items():
+        seconds = top2(prompt + [t1])
+        nodes = []
+        for t2, p2 in seconds.items():
+            thirds = top2(prompt + [t1, t2])
+            nodes += [t2, max(thirds, key=thirds.get)]
+            for t3, p3 in thirds.items():
+                exact[(t1, t2, t3)] = p1 * p2 * p3
+        branches[t1] = nodes
+    spec = make_engine(tiny, "speculative.method=medusa", f"speculative.heads={tiny_heads['sequential']}",
+                       "speculative.adaptive=false", "speculative.tree=[[0], [0, 0], [1], [1, 0]]",
+                       "scheduler.max_num_seqs=256")
+    spec.speculator.proposer = TreeOfBoth(branches)
+    n = 3000
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    counts = dict.fromkeys(exact, 0)
+    for c in generate(spec, [prompt] * n, params):
+        counts[tuple(c.token_ids[:3])] += 1
+    stats = spec.speculator.stats
+    assert stats.accepted_per_position[1] > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    chi2 = sum((counts[o] - n * p) ** 2 / (n * p) for o, p in exact.items())
+    assert min(n * p for p in exact.values()) >= 5, "too few samples per outcome for the chi-square test"
+    p_value = chi_square_sf(chi2, len(exact) - 1)
+    assert p_value > 1e-4, f"chi2 {chi2:.1f} (p {p_value:.2g}): {counts} vs {exact}"
+
+
 # ---------------------------------------------------------------- rollback
 
 
