@@ -363,8 +363,6 @@ class ModelRunner:
         inputs.sample_seq_ids.append(seq_id)
         inputs.drafts.append(list(draft))
         known = len(seq.token_ids)
-        inputs.sample_rows.append(row)
-        inputs.sample_slots.append(seq.lora_slot)
         if parents is None:
             tokens = seq.token_ids + list(draft) if draft else seq.token_ids
             histories = [(known + j, tokens) for j in range(len(draft) + 1)]
@@ -372,9 +370,8 @@ class ModelRunner:
             paths = tree_paths(draft, parents)
             histories = [(known, seq.token_ids)] + [(known + len(p), seq.token_ids + p) for p in paths]
         for j, (length, tokens) in enumerate(histories):
-            if j:
-                inputs.sample_rows.append(row + j)
-                inputs.sample_slots.append(seq.lora_slot)
+            inputs.sample_rows.append(row + j)
+            inputs.sample_slots.append(seq.lora_slot)
             inputs.sampling.append(SamplingRow(seq.params, length, seq.prompt_len, tokens, seq_id, known))
 
     @staticmethod
