@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshserve.configs.model_info import ModelInfo
+from meshserve.configs.safetensors_header import read_header
 
 LAYER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The modules of each decoder layer an adapter may target (the attention's and the MLP's projections)."""
@@ -33,8 +33,6 @@ VOCAB_LAYER = -1
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _VOCAB_KEY = re.compile(r"(?:^|\.)(?:embed_tokens\.lora_embedding_([AB])|lm_head\.lora_([AB])\.weight)$")
 _BASE_COPY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.(?:base_layer\.)?weight$")
-MAX_HEADER = 100 << 20
-"""The largest safetensors header read (the format's own limit)."""
 
 
 class AdapterError(ValueError):
@@ -69,15 +67,10 @@ def module_shape(info: ModelInfo, module: str) -> tuple[int, int]:
 
 def _header(name: str, path: Path) -> dict:
     """The safetensors file's header: tensor name -> {dtype, shape, data_offsets}."""
-    with path.open("rb") as f:
-        raw = f.read(8)
-        size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if not 0 < size <= MAX_HEADER:
-            raise AdapterError(f"LoRA adapter {name!r}: {path} is not a safetensors file")
-        try:
-            header = json.loads(f.read(size))
-        except ValueError:
-            raise AdapterError(f"LoRA adapter {name!r}: {path} has a broken safetensors header") from None
+    try:
+        header = read_header(path)
+    except ValueError as e:
+        raise AdapterError(f"LoRA adapter {name!r}: {path} {e}") from None
     header.pop("__metadata__", None)
     return header
 

@@ -3,17 +3,16 @@ from its safetensors header alone: the check before any rank starts and the load
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from meshserve.configs.safetensors_header import read_header
 
 FILE_FORMAT = "meshserve-medusa"
 
 
 def read_metadata(path: Path) -> dict[str, str]:
     """The safetensors header's `__metadata__` (OSError or ValueError where it is no such file)."""
-    with path.open("rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(size)).get("__metadata__") or {}
+    return read_header(path).get("__metadata__") or {}
 
 
 def file_problem(meta: dict[str, str], hidden_size: int, vocab_size: int) -> str | None:

@@ -31,7 +31,9 @@ def paged_decode_attention(library: CpuLibrary, q: torch.Tensor, k_cache: torch.
     kv_heads, head_dim); block_tables (n, width) and seq_lens (n,) int64 -> (n, heads,
     head_dim), softmax over each sequence's first seq_lens cached tokens but those `skip`
     names ((n,) int64: bit j, the key at position seq_len - 1 - j; a draft tree's rows)."""
-    return library.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, skip)
+    if skip is None:
+        return library.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return library.ops.paged_tree_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, skip)
 
 
 def prefill_fits(library: CpuLibrary, head_dim: int) -> bool:

@@ -12,14 +12,15 @@
 // exp): the avx2 build's plain loops, as the compiler vectorized them, read the cache well
 // below the memory's bandwidth (scripts/bench_decode_attention.py).
 //
-// `skip` (optional, one int64 per query): keys of the query's last 64 positions it does not
-// attend to, bit j for the key at position len - 1 - j: a verify step's rows of a draft tree
-// (engine/speculative/tree.py) see the sequence's cache and their own path through the tree,
-// not the branches beside it. A block holding such a key takes the plain loop, which masks
-// its scores; the other blocks are unchanged.
+// paged_tree_decode_attention also takes `skip` (one int64 per query): keys of the query's
+// last 64 positions it does not attend to, bit j for the key at position len - 1 - j: a
+// verify step's rows of a draft tree (engine/speculative/tree.py) see the sequence's cache
+// and their own path through the tree, not the branches beside it. A block holding such a
+// key takes the plain loop, which masks its scores; the other blocks are unchanged.
 //
-// Registered as meshserve_cpu::paged_decode_attention (meshserve/layers/kernels/cpu_library.py
-// builds this file and registers the op's shape function for torch.compile).
+// Registered as meshserve_cpu::paged_decode_attention and ::paged_tree_decode_attention
+// (meshserve/layers/kernels/cpu_library.py builds this file and registers the ops' shape
+// functions for torch.compile).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -399,9 +400,9 @@ void decode_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     decode<scalar_t, cache_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, skips, scale, out);
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  const std::optional<at::Tensor>& skip) {
+at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        const std::optional<at::Tensor>& skip) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
               "q (n, heads, head_dim) and a cache (blocks, block_size, kv_heads, head_dim)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
@@ -450,11 +451,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(MESHSERVE_NS, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, Tensor? skip=None) -> Tensor");
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  return attend_paged(q, k_cache, v_cache, block_tables, seq_lens, scale, std::nullopt);
 }
 
-TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+at::Tensor paged_tree_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                       const at::Tensor& skip) {
+  return attend_paged(q, k_cache, v_cache, block_tables, seq_lens, scale, skip);
+}
+
+}  // namespace
+
+// Two schemas rather than one with `Tensor? skip=None`: inductor's generated C++ drops an
+// argument that is None, and the dispatcher then reads past the end of its stack.
+TORCH_LIBRARY(MESHSERVE_NS, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale) -> Tensor");
+  m.def("paged_tree_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor skip) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(MESHSERVE_NS, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_tree_decode_attention", &paged_tree_decode_attention);
+}

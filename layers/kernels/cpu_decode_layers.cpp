@@ -129,7 +129,10 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
       library_op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>("rotary");
   static const auto attend =
       library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, const std::optional<at::Tensor>&)>("paged_decode_attention");
+                            const at::Tensor&, double)>("paged_decode_attention");
+  static const auto attend_tree =
+      library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, double, const at::Tensor&)>("paged_tree_decode_attention");
   static const auto silu_and_mul = library_op<at::Tensor(const at::Tensor&)>("silu_and_mul");
   static const auto amx_linear_silu =
       library_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("amx_linear_silu");
@@ -193,7 +196,9 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
     std::tie(q, k) = rotary.call(q, k, cos, sin);
     store_rows(int8 ? quantize_kv.call(k) : k, k_cache, slot);
     store_rows(int8 ? quantize_kv.call(v) : v, v_cache, slot);
-    const at::Tensor attended = attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale, skip);
+    const at::Tensor attended = skip.has_value()
+                                    ? attend_tree.call(q, k_cache, v_cache, block_tables, seq_lens, scale, *skip)
+                                    : attend.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
     const at::Tensor flat = attended.view({tokens, heads * dim});
     const at::Tensor o = with_lora(product(flat, o_w, width), flat, ab + (adapters ? 2 : 0));
     std::tie(x, res) = norm.call(o, w[1 + 2 * per_product], eps, res);
@@ -212,7 +217,7 @@ Pair decode_layers(const at::Tensor& hidden, const std::optional<at::Tensor>& re
 TORCH_LIBRARY_FRAGMENT(MESHSERVE_NS, m) {
   m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, float eps, float scale, "
-        "int heads, int kv_heads, str product, Tensor? lora_slots, Tensor[] lora, bool fused_silu, Tensor? skip=None) "
+        "int heads, int kv_heads, str product, Tensor? lora_slots, Tensor[] lora, bool fused_silu, Tensor? skip) "
         "-> (Tensor, Tensor)");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }

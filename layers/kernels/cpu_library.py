@@ -275,7 +275,8 @@ def _lora_add_shape(y, x, slots, a, b):
     return None
 
 
-SHAPES = {"paged_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
+SHAPES = {"paged_decode_attention": _paged_decode_attention_shape,
+          "paged_tree_decode_attention": _paged_decode_attention_shape, "prefill_attention": _prefill_attention_shape,
           "amx_prefill_attention": _prefill_attention_shape,
           "quantize_rows_u8": _quantize_rows_u8_shape, "scale_rows_": _scale_rows_shape,
           "w8a8_linear": _w8a8_linear_shape, "quantize_kv_int8": _quantize_kv_int8_shape,
