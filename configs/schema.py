@@ -14,6 +14,7 @@ from pydantic import (BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, N
                       PositiveInt, StrictInt, StrictStr, field_validator, model_validator)
 
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features
+from meshserve.configs.heads_file import tree_problem
 from meshserve.configs.quantization import Quantization
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
@@ -249,7 +250,12 @@ class SpeculativeConfig(Section):
     """`draft`: the draft's KV cache, on the driver (a sequence it cannot hold gets no proposal)."""
     heads: str | None = None
     """`medusa`: the heads file, trained for this model (scripts/train_heads.py writes one);
-    a sequence proposes at most one token per head."""
+    a sequence proposes at most one token per head along a path of `tree`."""
+    tree: list[list[NonNegativeInt]] | None = None
+    """`medusa`: the candidate tree each step verifies (Medusa's choices): a path [i1, ...,
+    id] is a node holding the i_d-th best guess of head d under the node of the path's
+    prefix (every prefix of a path is a path too); at most 15 nodes. None: the chain of each
+    head's first guess. A sequence with a grammar keeps the chain."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -260,6 +266,13 @@ class SpeculativeConfig(Section):
             raise ValueError("speculative.method=draft needs speculative.model (the draft model's path)")
         if self.method == "medusa" and not self.heads:
             raise ValueError("speculative.method=medusa needs speculative.heads (a heads file: scripts/train_heads.py)")
+        if self.tree is not None:
+            if self.method != "medusa":
+                raise ValueError(f"speculative.tree is the candidate tree of speculative.method=medusa, not "
+                                 f"speculative.method={self.method}")
+            problem = tree_problem(self.tree)
+            if problem:
+                raise ValueError(f"speculative.tree: {problem}")
         if self.method != "medusa" and self.heads:
             raise ValueError(f"speculative.heads are the heads of speculative.method=medusa, not "
                              f"speculative.method={self.method}")

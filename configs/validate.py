@@ -12,7 +12,7 @@ from meshserve.configs.adapters import AdapterError, check_adapter
 from meshserve.configs.cpu_bind import cpu_bind_problems
 from meshserve.configs.cpu_features import CpuFeatures, cpu_features, usable_cores
 from meshserve.configs.errors import ConfigError
-from meshserve.configs.heads_file import file_problem, read_metadata
+from meshserve.configs.heads_file import file_problem, read_metadata, tree_problem
 from meshserve.configs.model_info import ModelInfo, read_model_info
 from meshserve.configs.quantization import Quantization
 from meshserve.configs.schema import (CacheConfig, ClusterConfig, Config, LoraConfig, ModelConfig, ParallelConfig,
@@ -276,6 +276,11 @@ def heads_problems(config: Config, info: ModelInfo) -> list[str]:
         return [f"speculative.heads={path}: not a readable safetensors file ({e})"]
     problem = file_problem(meta, info.hidden_size, info.vocab_size)
     problems = [f"speculative.heads={path}: {problem}"] if problem else []
+    tree = config.speculative.tree
+    if not problem and tree is not None:
+        problem = tree_problem(tree, int(meta["num_heads"]))
+        if problem:
+            problems.append(f"speculative.tree: {problem}")
     if config.lora.active:
         problems.append("speculative.method=medusa with LoRA adapters: the heads read the base model's hidden "
                         "state (serve adapters without heads, or heads without adapters)")

@@ -29,6 +29,7 @@ from meshserve.engine.speculative.heads import HeadsProposer
 from meshserve.engine.speculative.policy import DraftPolicy
 from meshserve.engine.speculative.proposer import NgramProposer
 from meshserve.engine.speculative.speculator import Speculator
+from meshserve.engine.speculative.tree import TreeShape
 from meshserve.engine.tokenizer import Tokenizer
 from meshserve.parallel.topology import Groups
 
@@ -51,7 +52,8 @@ def build_runner(config: Config, info: ModelInfo, memory: MemoryPlan, groups: Gr
                        lora=(config.lora.max_loras, config.lora.max_rank) if config.lora.active else None,
                        sequence_parallel_min_tokens=config.parallel.sequence_parallel_min_tokens
                        if config.parallel.sequence_parallel else None,
-                       heads=config.speculative.heads if config.speculative.method == "medusa" else None)
+                       heads=config.speculative.heads if config.speculative.method == "medusa" else None,
+                       tree=config.speculative.tree if config.speculative.method == "medusa" else None)
 
 
 def decode_compile(config: Config, info: ModelInfo) -> bool | str:
@@ -141,6 +143,7 @@ def build_speculator(config: Config, info: ModelInfo, memory: MemoryPlan) -> Spe
     spec = config.speculative
     if spec.method == "none":
         return None
+    tree = None
     if spec.method == "draft":
         draft = draft_config(config, info)
         draft_info = read_model_info(spec.model)
@@ -148,9 +151,10 @@ def build_speculator(config: Config, info: ModelInfo, memory: MemoryPlan) -> Spe
         proposer = DraftModelProposer(runner)
     elif spec.method == "medusa":
         proposer = HeadsProposer()
+        tree = TreeShape(spec.tree) if spec.tree else None
     else:
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return Speculator(proposer, DraftPolicy(spec.num_speculative_tokens, spec.adaptive), memory.max_model_len)
+    return Speculator(proposer, DraftPolicy(spec.num_speculative_tokens, spec.adaptive), memory.max_model_len, tree)
 
 
 def build_single_rank_engine(config: Config, info: ModelInfo, memory: MemoryPlan, *, threads: int | None = None,

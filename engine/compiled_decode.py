@@ -63,8 +63,8 @@ class CompiledDecode:
     @staticmethod
     def applies(meta) -> bool:
         """Only steps where every sequence decodes one token (the torch and cpu backends'
-        metadata)."""
-        return isinstance(meta, PagedMetadata) and meta.decode_only
+        metadata), none of them a draft tree's row that skips keys (the graph has no mask)."""
+        return isinstance(meta, PagedMetadata) and meta.decode_only and meta.decode_skip is None
 
     def __call__(self, input_ids, positions, kv_caches, meta: PagedMetadata, hidden=None, residual=None):
         meta.for_graph()

@@ -120,6 +120,8 @@ class Engine:
                                    scheduler.priority_aging if scheduler.policy == "priority" else None,
                                    scheduler.background_max_seqs, scheduler.background_share,
                                    scheduler.background_step_tokens)
+        if speculator is not None and speculator.tree is not None:
+            self.scheduler.tree_parents = speculator.tree.parents
         self.plans = PlanBuilder()
         self.handoffs = Handoffs(role, memory.block_size)
         self._events: list[tuple[Hashable, object]] = []
@@ -418,7 +420,7 @@ class Engine:
         self.speculator.draft(seqs)
         if self.guided:
             for seq in seqs:
-                seq.draft = self.guided.valid_draft(seq.seq_id, seq.draft)
+                seq.draft = self.guided.valid_draft(seq.seq_id, seq.draft[:self.speculator.chain])
         return seqs
 
     def _finish(self, state: RequestState) -> None:

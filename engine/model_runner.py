@@ -21,12 +21,14 @@ from meshserve.engine.kv_agent import KvAgent
 from meshserve.engine.lora.rank_adapters import RankAdapters, lora_kernel
 from meshserve.engine.mirror import MirrorSeq, ScheduledChunk, SequenceMirror
 from meshserve.engine.pending_result import PendingResult
+from meshserve.engine.speculative.tree import TreeShape, accept_path, row_skips, tree_paths
 from meshserve.engine.speculative.verify import accept
 from meshserve.layers import kv_quant
 from meshserve.layers.backend import StepMetadata, select_backend
 from meshserve.layers.fused_decode import fused_decode_layers
 from meshserve.layers.medusa import MedusaHeads
 from meshserve.layers import prompt_logprobs
+from meshserve.layers.attention import set_tree_skips
 from meshserve.layers.host_memory import zeros_on_touch
 from meshserve.layers.kernels import cpu_library
 from meshserve.layers.loader import build_model
@@ -123,7 +125,7 @@ class ModelRunner:
                  calibration: list[int] | None = None, cpu_isa: str = "auto", expert_exchange: str = "all_to_all",
                  decode_graphs: int = 0, compile_in_background: bool = False, overlap: bool = False,
                  lora: tuple[int, int] | None = None, sequence_parallel_min_tokens: int | None = None,
-                 heads: str | None = None):
+                 heads: str | None = None, tree: list[list[int]] | None = None):
         """`layer_counts`: layers per pipeline stage (default: all on one stage). `kernels`:
         the config's device.kernels (auto | torch | triton | cpu). `compile_decode`: run decode
         steps through torch.compile (engine/compiled_decode.py; engine/decode_path.py chooses);
@@ -141,7 +143,9 @@ class ModelRunner:
         (lora.max_loras, lora.max_rank) where the server serves LoRA adapters (engine/lora).
         `sequence_parallel_min_tokens`: parallel.sequence_parallel's line (layers.loader).
         `heads`: the Medusa heads file (speculative.method=medusa), loaded on the last
-        pipeline stage, whose ranks return the heads' guesses with each step's tokens."""
+        pipeline stage, whose ranks return the heads' guesses with each step's tokens. `tree`:
+        their candidate tree's paths (speculative.tree; None: a chain): a draft of k tokens
+        is its first k nodes (engine/speculative/tree.py)."""
         self.overlap = overlap
         self._last: LastSampled | None = None
         self.info, self.memory, self.groups = info, memory, groups
@@ -168,6 +172,7 @@ class ModelRunner:
                                  sequence_parallel_min_tokens=sequence_parallel_min_tokens)
         self.heads = MedusaHeads.load(heads, info.hidden_size, info.vocab_size, self.dtype, self.device) \
             if heads is not None and groups.pp.is_last else None
+        self.tree = TreeShape(tree) if tree else None
         if self.heads is not None and self.model.matmuls is not None:
             self.heads.use_products(self.model.matmuls.router)  # the unquantized products of the model's plan
         self.sender = StageSender(groups.pp)
@@ -216,8 +221,11 @@ class ModelRunner:
         query_lens, seq_lens, block_tables = [], [], []
         inputs = StepInputs(None, None, None, [], [], [])  # type: ignore[arg-type]
         lora_slots: list[int] = []
+        skips: list[int] = []
+        """Per row, the keys it skips (a tree's rows; layers.attention.set_tree_skips)."""
         for c in batch:
             end = c.start + c.num_new
+            tree = self.tree is not None and bool(c.draft)
             if c.seq.params.prompt_logprobs is not None:
                 span = prompt_logprobs.prompt_span(c.seq_id, len(ids), c.start, c.num_new, c.seq.token_ids,
                                                    c.seq.prompt_len, c.seq.params.prompt_logprobs)
@@ -225,14 +233,22 @@ class ModelRunner:
                     inputs.prompt_spans.append(span)
             ids.extend(c.input_ids)
             lora_slots.extend([c.seq.lora_slot] * c.num_new)
-            positions.extend(range(c.start, end))
+            if tree:  # the known tokens, then each node at the last one's position + its depth
+                known_end = end - len(c.draft)
+                positions.extend(range(c.start, known_end))
+                positions.extend(known_end - 1 + d for d in self.tree.depths[:len(c.draft)])
+                skips.extend([0] * (known_end - 1 - c.start) + row_skips(self.tree.parents[:len(c.draft)]))
+            else:
+                positions.extend(range(c.start, end))
+                skips.extend([0] * c.num_new)
             query_lens.append(c.num_new)
             seq_lens.append(end)
             block_tables.append(c.seq.block_ids)
             if c.deferred:
                 inputs.deferred.append((len(ids) - 1, c.seq_id))
             if c.sampled:
-                self._add_sample(inputs, len(ids) - 1 - len(c.draft), c.seq_id, c.seq, c.draft)
+                self._add_sample(inputs, len(ids) - 1 - len(c.draft), c.seq_id, c.seq, c.draft,
+                                 self.tree.parents[:len(c.draft)] if tree else None)
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         if inputs.deferred:
@@ -240,11 +256,14 @@ class ModelRunner:
         if self.block_tables is not None:
             block_tables = self.block_tables.rows([c.seq_id for c in batch], block_tables)
         inputs.lora = self._set_adapters(inputs, lora_slots)
-        if not inputs.prompt_spans and not inputs.lora and self.decode.replays(query_lens):
+        branching = any(skips)
+        if not inputs.prompt_spans and not inputs.lora and not branching and self.decode.replays(query_lens):
             inputs.graph_step = (inputs.input_ids, positions, seq_lens, block_tables)
             return inputs
         inputs.meta = self.model.backend.build_metadata(query_lens, seq_lens, block_tables, self.memory.block_size,
                                                         self.device)
+        if branching:
+            set_tree_skips(inputs.meta, skips)
         return inputs
 
     def _set_adapters(self, inputs: StepInputs, slots: list[int]) -> bool:
@@ -336,17 +355,24 @@ class ModelRunner:
         return torch.cat([hidden, reduce_from_tp(rows, self.groups.cp)])
 
     @staticmethod
-    def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: MirrorSeq, draft: list[int] = ()) -> None:
+    def _add_sample(inputs: StepInputs, row: int, seq_id: int, seq: MirrorSeq, draft: list[int] = (),
+                    parents: list[int] | None = None) -> None:
         """Sample `seq` at `row`, and after each of its `draft` tokens in the rows after it:
-        each row as if the drafts before it were the sequence's (its length, its tokens)."""
+        each row as if the drafts before it were the sequence's (its length, its tokens);
+        with `parents` (a tree's), the drafts before a node are those of its path."""
         inputs.sample_seq_ids.append(seq_id)
         inputs.drafts.append(list(draft))
-        tokens = seq.token_ids + list(draft) if draft else seq.token_ids
         known = len(seq.token_ids)
-        for j in range(len(draft) + 1):
+        if parents is None:
+            tokens = seq.token_ids + list(draft) if draft else seq.token_ids
+            histories = [(known + j, tokens) for j in range(len(draft) + 1)]
+        else:
+            paths = tree_paths(draft, parents)
+            histories = [(known, seq.token_ids)] + [(known + len(p), seq.token_ids + p) for p in paths]
+        for j, (length, tokens) in enumerate(histories):
             inputs.sample_rows.append(row + j)
             inputs.sample_slots.append(seq.lora_slot)
-            inputs.sampling.append(SamplingRow(seq.params, known + j, seq.prompt_len, tokens, seq_id, known))
+            inputs.sampling.append(SamplingRow(seq.params, length, seq.prompt_len, tokens, seq_id, known))
 
     @staticmethod
     def _first_rows(drafts: list[list[int]]) -> list[int]:
@@ -377,29 +403,41 @@ class ModelRunner:
             first += n
         return bits[keep].to(device), rows
 
-    def _propose(self, rows: torch.Tensor, tokens: torch.Tensor, drafts: list[list[int]], counts: list[int] | None
-                 ) -> list[list[int]]:
-        """The heads' first guesses after each sequence's last kept token, from the hidden
-        state of the row that sampled it (`rows`: the step's sampled rows; `tokens`: theirs),
-        on the sampling rank."""
-        if counts is None:
+    def _propose(self, rows: torch.Tensor, tokens: torch.Tensor, last: list[int] | None) -> list[list[int]]:
+        """The heads' guesses after each sequence's last kept token, from the hidden state of
+        the row that sampled it (`rows`: the step's sampled rows; `tokens`: theirs; `last`:
+        each sequence's last kept row among them, None: every row is one sequence's), on the
+        sampling rank: a chain of first guesses, or every node of the candidate tree."""
+        if last is not None:
+            picks = torch.tensor(last, device=rows.device)
+            rows, tokens = rows[picks], tokens[picks]
+        if self.tree is None:
             return self.heads.guess(rows, tokens).tolist()
-        picks = torch.tensor([start + n - 1 for start, n in zip(self._first_rows(drafts), counts)], device=rows.device)
-        return self.heads.guess(rows[picks], tokens[picks]).tolist()
+        return self.heads.tree_guess(rows, tokens, self.tree.paths).tolist()
 
-    @staticmethod
-    def _verify(tokens: list[int], logprobs: list[TokenLogprob | None] | None, drafts: list[list[int]]
-                ) -> tuple[list[int], list[TokenLogprob | None] | None, list[int]]:
-        """The tokens (and their logprobs) each sequence keeps of its rows' samples, and how
-        many (meshserve.engine.speculative.verify)."""
-        counts = accept(tokens, drafts)
+    def _verify(self, tokens: list[int], logprobs: list[TokenLogprob | None] | None, drafts: list[list[int]]
+                ) -> tuple[list[int], list[TokenLogprob | None] | None, list[int], list[int]]:
+        """The tokens (and their logprobs) each sequence keeps of its rows' samples, how many,
+        and the row of each one's last kept token (meshserve.engine.speculative.verify; a
+        tree's drafts: engine/speculative/tree.py accept_path)."""
         kept_tokens: list[int] = []
         kept_logprobs: list[TokenLogprob | None] = []
-        for row, n in zip(ModelRunner._first_rows(drafts), counts):
-            kept_tokens.extend(tokens[row:row + n])
+        counts, last = [], []
+        if self.tree is None:
+            counts = accept(tokens, drafts)
+            kept = [list(range(row, row + n)) for row, n in zip(self._first_rows(drafts), counts)]
+        else:
+            kept = []
+            for row, draft in zip(self._first_rows(drafts), drafts):
+                nodes = accept_path(tokens[row:row + len(draft) + 1], draft, self.tree.parents[:len(draft)])
+                kept.append([row] + [row + 1 + n for n in nodes])
+                counts.append(len(nodes) + 1)
+        for rows in kept:
+            kept_tokens.extend(tokens[r] for r in rows)
             if logprobs is not None:
-                kept_logprobs.extend(logprobs[row:row + n])
-        return kept_tokens, kept_logprobs if logprobs is not None else None, counts
+                kept_logprobs.extend(logprobs[r] for r in rows)
+            last.append(rows[-1])
+        return kept_tokens, kept_logprobs if logprobs is not None else None, counts, last
 
     def busy_seconds(self) -> float:
         """Time computing this rank's shard: the forward and sampling, less the waits for
@@ -469,17 +507,17 @@ class ModelRunner:
             self._last = None
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt) if self.sampler else None
         logits = self._logits(hidden, inputs.sample_rows, inputs.sample_slots if inputs.lora else None)
-        result, tokens, counts = None, None, None
+        result, tokens, counts, last = None, None, None, None
         if self.sampler is not None:
             bitmask, mask_rows = self._grammar_masks(plan.masks, inputs.sample_seq_ids, inputs.drafts, logits.device)
             sampled = self.sampler.sample(logits, inputs.sampling, bitmask, mask_rows)
             tokens = sampled.tokens
             if any(inputs.drafts):
                 token_list, logprobs = sampled.to_lists()
-                token_list, logprobs, counts = self._verify(token_list, logprobs, inputs.drafts)
+                token_list, logprobs, counts, last = self._verify(token_list, logprobs, inputs.drafts)
         proposals = None
         if self.heads is not None and self.sampler is not None:
-            proposals = self._propose(hidden[inputs.sample_rows], tokens, inputs.drafts, counts)
+            proposals = self._propose(hidden[inputs.sample_rows], tokens, last)
         if self.sampler is not None:
             if counts is not None:
                 result = StepResult(plan.step_id, inputs.sample_seq_ids, token_list, logprobs, prompt, counts,

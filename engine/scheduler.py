@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from meshserve.configs.roles import ReplicaRole
 from meshserve.comm.messages import LoraLoad
+from meshserve.engine.speculative.tree import placed
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.lora.registry import LoraRegistry
 from meshserve.engine.sequence import Sequence, SeqStatus
@@ -83,6 +84,9 @@ class Scheduler:
         if above 0; 0: none; None: no share limit). `background_step_tokens`: the most tokens
         of any step background sequences take (None: the step's budget)."""
         self.blocks = block_manager
+        self.tree_parents: list[int] | None = None
+        """speculative.tree's node parents (engine/speculative/tree.py), set by the engine: a
+        sequence's draft of k tokens is its first k nodes."""
         self.priority_aging = priority_aging
         self.background_max_seqs = max_num_seqs if background_max_seqs is None else background_max_seqs
         self.num_background_running = 0
@@ -347,6 +351,8 @@ class Scheduler:
                 continue
             drafted = len(seq.draft)
             accepted = len(tokens) - 1
+            if self.tree_parents is not None:  # kept nodes off the chain of first guesses are computed again
+                accepted = placed(tokens, seq.draft, self.tree_parents[:drafted])
             seq.draft = []
             self.blocks.computed(seq, n - drafted + accepted)
             if accepted < drafted and self.blocks.trim(seq):

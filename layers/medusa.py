@@ -115,6 +115,33 @@ class MedusaHeads(nn.Module):
                 before.append(self.lm_rows[best])
         return torch.stack(out, -1)
 
+    @torch.no_grad()
+    def tree_guess(self, hidden: torch.Tensor, next_tokens: torch.Tensor, paths: list[tuple[int, ...]]
+                   ) -> torch.Tensor:
+        """Each node's token (rows, len(paths)) of a candidate tree (engine/speculative/tree.py
+        TreeShape.paths: node (i1, ..., id) holds the i_d-th best guess of head d under its
+        parent). Medusa heads guess once for every node of a depth; a sequential head guesses
+        once per parent, reading the tokens of that parent's path."""
+        rows = hidden.shape[0]
+        index = {p: n for n, p in enumerate(paths)}
+        tokens: list[torch.Tensor | None] = [None] * len(paths)
+        for depth in range(1, max(map(len, paths)) + 1):
+            nodes = [p for p in paths if len(p) == depth]
+            parents = sorted({p[:-1] for p in nodes}) if self.sequential else [()]
+            k = 1 + max(p[-1] for p in nodes)
+            x = hidden.repeat(len(parents), 1)
+            before = []
+            if self.sequential:
+                before.append(self.token_vectors(next_tokens.repeat(len(parents))))
+                for j in range(1, depth):
+                    before.append(self.token_vectors(torch.cat([tokens[index[p[:j]]] for p in parents])))
+            products = self._products[0][depth - 1] if self._products else None
+            best = self.vocab[self._logits(self._head(depth - 1, x, before, products)).topk(k, -1).indices]
+            for p in nodes:
+                i = parents.index(p[:-1]) if self.sequential else 0
+                tokens[index[p]] = best[i * rows:(i + 1) * rows, p[-1]]
+        return torch.stack(tokens, -1)
+
     def save(self, path: Path | str) -> None:
         tensors = {f"heads.{k}.{j}.{part}": getattr(block.linear, part).detach().contiguous()
                    for k, head in enumerate(self.heads) for j, block in enumerate(head) for part in ("weight", "bias")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from meshserve.engine.speculative.tree import TreeShape
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.speculative.policy import DraftPolicy
 from meshserve.engine.speculative.proposer import Proposer
@@ -33,8 +34,14 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, policy: DraftPolicy, max_model_len: int):
+    def __init__(self, proposer: Proposer, policy: DraftPolicy, max_model_len: int,
+                 tree: TreeShape | None = None):
+        """`tree`: the heads' candidate tree (speculative.tree): a draft of k tokens is its
+        first k nodes; None: drafts are chains."""
         self.proposer, self.policy, self.max_model_len = proposer, policy, max_model_len
+        self.tree = tree
+        self.chain = tree.chain_length if tree is not None else policy.max_tokens
+        """The most drafts that still form a chain (a constrained sequence's drafts do)."""
         self.stats = SpecStats(accepted_per_position=[0] * policy.max_tokens)
         self._draft_seconds = 0.0
 

@@ -50,15 +50,20 @@ def heads(looping, tmp_path_factory):
     return self_distilled_heads(looping, PROMPTS, tmp_path_factory.mktemp("heads") / "heads.safetensors")
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "medusa"])
+TREE = "speculative.tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
+"""A candidate tree of the heads' guesses (Medusa's choices, small)."""
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "medusa", "medusa-tree"])
 @pytest.mark.parametrize("topology", [Topology(tp_size=3), Topology(pp_size=2)], ids=["tp3", "pp2"])
 def test_speculation_across_ranks_gives_the_output_of_one_rank_without_it(looping, reference, heads, topology,
                                                                           method):
-    spec = ["speculative.adaptive=false", f"speculative.method={method}"]
+    spec = ["speculative.adaptive=false", f"speculative.method={method.removesuffix('-tree')}"]
     # The draft: the model's own int8 build (it agrees with the float32 model often, not always).
     spec += {"ngram": ["speculative.prompt_lookup_min=1"],
              "draft": [f"speculative.model={looping}", "speculative.quantization=int8"],
-             "medusa": [f"speculative.heads={heads}"]}[method]
+             "medusa": [f"speculative.heads={heads}"],
+             "medusa-tree": [f"speculative.heads={heads}", TREE]}[method]
     (got, stats), *_ = run_ranks(run_engine, topology, overrides(looping, topology, spec), PROMPTS, PARAMS,
                                  (SECOND, SECOND_PARAMS))
     assert_same(got, reference)

@@ -114,3 +114,20 @@ def figures_vocab(path) -> int:
     from meshserve.configs.model_info import read_model_info
 
     return read_model_info(str(path)).vocab_size
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_a_trees_nodes_are_the_heads_top_guesses_under_their_parents(sequential):
+    """tree_guess: the chain of first guesses is guess()'s; a node (i1, ..., id) holds the
+    i_d-th best guess of head d given its parent's path (sequential) or alone (Medusa)."""
+    heads = random_heads(8, 3, sequential)
+    x, first = torch.randn(5, 8), torch.tensor([7, 3, 11, 5, 20])
+    paths = [(0,), (0, 0), (0, 0, 0), (0, 1), (1,), (1, 0), (2,)]
+    nodes = heads.tree_guess(x, first, paths)
+    assert nodes.shape == (5, len(paths))
+    assert torch.equal(nodes[:, :3], heads.guess(x, first))
+    second = VOCAB[heads(x, torch.stack([first, nodes[:, 4], nodes[:, 4]], -1))[1].topk(1, -1).indices[:, 0]]
+    want_under_1 = second if sequential else nodes[:, 1]  # Medusa: head 2's best guess whatever the parent
+    assert torch.equal(nodes[:, 5], want_under_1)
+    top3 = VOCAB[heads(x, torch.stack([first, first, first], -1))[0].topk(3, -1).indices]
+    assert torch.equal(nodes[:, [0, 4, 6]], top3)

@@ -413,6 +413,82 @@ def test_medusa_heads_give_the_output_without_speculation(tiny, tiny_heads, kind
     assert len(stats.accepted_per_position) == 8 and stats.accepted_per_position[3] == 0  # three heads: 3 drafts
 
 
+TREE = "speculative.tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
+
+
+@pytest.mark.parametrize("kind", ["sequential", "medusa"])
+def test_a_tree_of_the_heads_guesses_gives_the_output_without_speculation(tiny, tiny_heads, kind):
+    """A candidate tree (speculative.tree) verified in one step, each node attending to its
+    own path: greedy (with logprobs) and seeded sampled output are the output without
+    speculation, and guesses are accepted."""
+    base = ["speculative.method=medusa", f"speculative.heads={tiny_heads[kind]}", "speculative.adaptive=false"]
+    params = ([SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)] * len(PROMPTS)
+              + [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
+                 for s in range(len(PROMPTS))])
+    want = generate(make_engine(tiny), PROMPTS * 2, params)
+    tree = make_engine(tiny, *base, TREE)
+    got = generate(tree, PROMPTS * 2, params)
+    assert_same(got[:len(PROMPTS)], want[:len(PROMPTS)])
+    assert_same(got[len(PROMPTS):], want[len(PROMPTS):], logprobs=False)
+    assert tree.speculator.stats.num_accepted_tokens >= 40
+
+
+class BranchProposer:
+    """For the tree [[0], [1], [1, 0]]: a wrong first guess, then the right next token in the
+    second branch and the right one after it below it (the output without speculation)."""
+
+    caught_up = 0
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]):
+        self.answers = answers
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        out = []
+        for seq, k in zip(seqs, max_tokens):
+            answer = self.answers[tuple(seq.token_ids[:seq.prompt_len])]
+            made = seq.num_tokens - seq.prompt_len
+            right = answer[made:made + 2]
+            out.append(([(right[0] + 1) % 50] + right)[:k] if len(right) == 2 else [])
+        return out
+
+    def received(self, seq: Sequence, guesses: list[int]) -> None:
+        pass
+
+    def backlog(self, seq: Sequence) -> int:
+        return 0
+
+    def drop(self, seq_id: int) -> None:
+        pass
+
+
+def test_kept_nodes_off_the_chain_are_computed_again_and_the_output_is_the_same(tiny, tiny_heads):
+    """Every step keeps the second branch of the tree: its nodes' K/V lie in rows other than
+    their depth's, so the driver counts them as not computed and the next step computes
+    them at their place; greedy output is the output without speculation."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = generate(make_engine(tiny), PROMPTS, params)
+    engine = make_engine(tiny, "speculative.method=medusa", f"speculative.heads={tiny_heads['sequential']}",
+                         "speculative.adaptive=false", "speculative.tree=[[0], [1], [1, 0]]")
+    engine.speculator.proposer = BranchProposer({tuple(p): w.token_ids for p, w in zip(PROMPTS, want)})
+    got = generate(engine, PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens >= 20 and stats.accepted_per_position[1] == stats.accepted_per_position[0]
+
+
+@pytest.mark.parametrize("tree, message", [
+    ("[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]", r"a tree 4 deep needs 4 heads, the heads file has 3"),
+    ("[[0, 1]]", r"tree path \[0\] is missing"),
+    ("[" + ", ".join(f"[{i}]" for i in range(16)) + "]", "a tree of 16 nodes; at most 15"),
+])
+def test_a_bad_tree_is_a_config_error(tiny, tiny_heads, tree, message):
+    from meshserve.configs import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_engine(tiny, "speculative.method=medusa", f"speculative.heads={tiny_heads['sequential']}",
+                    f"speculative.tree={tree}")
+
+
 def test_heads_for_another_model_are_a_config_error(tiny, tmp_path):
     from meshserve.configs import ConfigError
     from meshserve.configs.model_info import read_model_info
@@ -479,6 +555,70 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny):
     spec.speculator.proposer = FixedProposer([likely[1], likely[2]])
     n = 3000
     # 4 tokens: the drafts (the second and third) are capped to leave room for the one after
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
+    counts = dict.fromkeys(exact, 0)
+    for c in generate(spec, [prompt] * n, params):
+        counts[tuple(c.token_ids[:3])] += 1
+    stats = spec.speculator.stats
+    assert stats.accepted_per_position[1] > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    chi2 = sum((counts[o] - n * p) ** 2 / (n * p) for o, p in exact.items())
+    assert min(n * p for p in exact.values()) >= 5, "too few samples per outcome for the chi-square test"
+    p_value = chi_square_sf(chi2, len(exact) - 1)
+    assert p_value > 1e-4, f"chi2 {chi2:.1f} (p {p_value:.2g}): {counts} vs {exact}"
+
+
+class TreeOfBoth:
+    """For the tree [[0], [0, 0], [1], [1, 0]] after a request's first token t1: both of
+    the target's top-2 tokens for t2 as the two branches, each with the likeliest t3 after
+    it (`branches[t1]`)."""
+
+    caught_up = 0
+
+    def __init__(self, branches: dict[int, list[int]]):
+        self.branches = branches
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
+        return [self.branches[seq.token_ids[seq.prompt_len]][:k] if seq.num_output_tokens == 1 else []
+                for seq, k in zip(seqs, max_tokens)]
+
+    def received(self, seq: Sequence, guesses: list[int]) -> None:
+        pass
+
+    def backlog(self, seq: Sequence) -> int:
+        return 0
+
+    def drop(self, seq_id: int) -> None:
+        pass
+
+
+def test_sampled_tokens_through_a_tree_follow_the_targets_distribution(tiny, tiny_heads):
+    """As the chain's chi-square test, with a tree holding both likely second tokens, each
+    with a third under it: whichever second token the target samples, a branch holds it."""
+    prompt = [11, 12, 13, 14]
+    base = make_engine(tiny)
+
+    def top2(tokens):
+        (c,) = generate(base, [tokens], SamplingParams(max_tokens=1, temperature=0, logprobs=2, ignore_eos=True))
+        ids, lps = zip(*c.logprobs[0].top)
+        z = sum(math.exp(v) for v in lps)
+        return {t: math.exp(v) / z for t, v in zip(ids, lps)}
+
+    exact: dict[tuple[int, int, int], float] = {}
+    branches: dict[int, list[int]] = {}
+    for t1, p1 in top2(prompt).items():
+        seconds = top2(prompt + [t1])
+        nodes = []
+        for t2, p2 in seconds.items():
+            thirds = top2(prompt + [t1, t2])
+            nodes += [t2, max(thirds, key=thirds.get)]
+            for t3, p3 in thirds.items():
+                exact[(t1, t2, t3)] = p1 * p2 * p3
+        branches[t1] = nodes
+    spec = make_engine(tiny, "speculative.method=medusa", f"speculative.heads={tiny_heads['sequential']}",
+                       "speculative.adaptive=false", "speculative.tree=[[0], [0, 0], [1], [1, 0]]",
+                       "scheduler.max_num_seqs=256")
+    spec.speculator.proposer = TreeOfBoth(branches)
+    n = 3000
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=2, ignore_eos=True)
     counts = dict.fromkeys(exact, 0)
     for c in generate(spec, [prompt] * n, params):
