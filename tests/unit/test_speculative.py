@@ -433,11 +433,25 @@ def test_a_tree_of_the_heads_guesses_gives_the_output_without_speculation(tiny, 
     assert tree.speculator.stats.num_accepted_tokens >= 40
 
 
-class BranchProposer:
-    """For the tree [[0], [1], [1, 0]]: a wrong first guess, then the right next token in the
-    second branch and the right one after it below it (the output without speculation)."""
+class ScriptedProposer:
+    """The Proposer a test scripts: it keeps no state, so it catches up on nothing and
+    forgets nothing; subclasses write `propose`."""
 
     caught_up = 0
+
+    def received(self, seq: Sequence, guesses: list[int]) -> None:
+        pass
+
+    def backlog(self, seq: Sequence) -> int:
+        return 0
+
+    def drop(self, seq_id: int) -> None:
+        pass
+
+
+class BranchProposer(ScriptedProposer):
+    """For the tree [[0], [1], [1, 0]]: a wrong first guess, then the right next token in the
+    second branch and the right one after it below it (the output without speculation)."""
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]]):
         self.answers = answers
@@ -450,15 +464,6 @@ class BranchProposer:
             right = answer[made:made + 2]
             out.append(([(right[0] + 1) % 50] + right)[:k] if len(right) == 2 else [])
         return out
-
-    def received(self, seq: Sequence, guesses: list[int]) -> None:
-        pass
-
-    def backlog(self, seq: Sequence) -> int:
-        return 0
-
-    def drop(self, seq_id: int) -> None:
-        pass
 
 
 def test_kept_nodes_off_the_chain_are_computed_again_and_the_output_is_the_same(tiny, tiny_heads):
@@ -506,7 +511,7 @@ def test_heads_for_another_model_are_a_config_error(tiny, tmp_path):
         make_engine(tiny, *heads(64, 77))
 
 
-class FixedProposer:
+class FixedProposer(ScriptedProposer):
     """Proposes the same tokens after the first output token."""
 
     def __init__(self, tokens: list[int]):
@@ -514,14 +519,6 @@ class FixedProposer:
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
         return [self.tokens[:k] if seq.num_output_tokens == 1 else [] for seq, k in zip(seqs, max_tokens)]
-
-    def drop(self, seq_id: int) -> None:
-        pass
-
-    caught_up = 0
-
-    def backlog(self, seq: Sequence) -> int:
-        return 0
 
 
 def chi_square_sf(x: float, dof: int) -> float:
@@ -567,12 +564,10 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny):
     assert p_value > 1e-4, f"chi2 {chi2:.1f} (p {p_value:.2g}): {counts} vs {exact}"
 
 
-class TreeOfBoth:
+class TreeOfBoth(ScriptedProposer):
     """For the tree [[0], [0, 0], [1], [1, 0]] after a request's first token t1: both of
     the target's top-2 tokens for t2 as the two branches, each with the likeliest t3 after
     it (`branches[t1]`)."""
-
-    caught_up = 0
 
     def __init__(self, branches: dict[int, list[int]]):
         self.branches = branches
@@ -580,15 +575,6 @@ class TreeOfBoth:
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> list[list[int]]:
         return [self.branches[seq.token_ids[seq.prompt_len]][:k] if seq.num_output_tokens == 1 else []
                 for seq, k in zip(seqs, max_tokens)]
-
-    def received(self, seq: Sequence, guesses: list[int]) -> None:
-        pass
-
-    def backlog(self, seq: Sequence) -> int:
-        return 0
-
-    def drop(self, seq_id: int) -> None:
-        pass
 
 
 def test_sampled_tokens_through_a_tree_follow_the_targets_distribution(tiny, tiny_heads):
