@@ -125,6 +125,13 @@ inline float row_dot(const float* x, const w_t* w, int64_t K) {
 
 constexpr int kMaxTileRows = 6;
 constexpr int kTilePanels = 1;
+// How many k steps ahead the tile of several rows asks for its panel's line. Its FMAs take
+// longer per line than the memory delivers one, and the hardware prefetcher alone then lets
+// the memory idle while they run: a few verify rows of a speculative step cost nearly a row's
+// compute each on top of the stream. Asked for this far ahead (8 KB of a float32 panel, past
+// the memory's latency at the tile's pace, and on into the next panel at a panel's end), the
+// stream overlaps the FMAs. One row is a pure stream the prefetcher keeps up with.
+constexpr int64_t kPrefetchSteps = 128;
 
 // y[m * ldy + j] = sum_k x[m * K + k] * panel[k * 16 + j] for m < MR, j < 16
 template <int MR, int NP, typename w_t>
@@ -155,6 +162,7 @@ inline void panel_tile(const float* x, const w_t* panel, int64_t K, float* y, in
     acc[0][1] = _mm256_add_ps(acc[0][1], odd1);
   } else {
     for (int64_t k = 0; k < K; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchSteps) * kPanel), _MM_HINT_T0);
       const __m256 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
