@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -173,6 +174,11 @@ class ModelRunner:
         self.heads = MedusaHeads.load(heads, info.hidden_size, info.vocab_size, self.dtype, self.device) \
             if heads is not None and groups.pp.is_last else None
         self.tree = TreeShape(tree) if tree else None
+        self.hidden_tap: Callable[[list[int], torch.Tensor], None] | None = None
+        """Called after each step that samples, with the sampling rows' sequence ids and
+        final-normed hidden states (rows, hidden_size), on the last pipeline stage: what
+        scripts/train_heads.py learns from as the engine generates, instead of computing every
+        answer again. A step with drafts has several rows per sequence."""
         if self.heads is not None and self.model.matmuls is not None:
             self.heads.use_products(self.model.matmuls.router)  # the unquantized products of the model's plan
         self.sender = StageSender(groups.pp)
@@ -506,6 +512,8 @@ class ModelRunner:
         if not inputs.sample_rows:
             self._last = None
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt) if self.sampler else None
+        if self.hidden_tap is not None:
+            self.hidden_tap(inputs.sample_seq_ids, hidden[inputs.sample_rows])
         logits = self._logits(hidden, inputs.sample_rows, inputs.sample_slots if inputs.lora else None)
         result, tokens, counts, last = None, None, None, None
         if self.sampler is not None:

@@ -26,8 +26,8 @@ after the first over the time from the first token to the last) and, at tp1, eve
 at --concurrency over HTTP (all requests at once, --per-slot per slot, each a streamed
 /v1/completions of token ids through the openai client; output tokens/s over the wall time).
 Prints the medians over rounds and the median of each round's on/off ratio;
-the acceptance rate and mean accepted length from the usage (accepted and rejected draft
-tokens). Greedy output (grounded, chat) is identical in both arms (checked: `same greedy output`).
+the acceptance rate and a sequence's tokens per step (the most speculation could speed it up)
+from the usage (accepted and rejected draft tokens). Greedy output (grounded, chat) is identical in both arms (checked: `same greedy output`).
 
     python scripts/bench_speculative.py [--topology tp1 tp3 pp2] [--rounds 3] [--set KEY=VALUE]
                                         [--json-out results/bench_speculative.json]
@@ -70,6 +70,13 @@ CHAT = [
     "Why do penguins live in cold places?", "What are the benefits of running every morning?",
     "Describe a typical day in a big city.", "How can I read more books each year?",
 ]
+
+
+def speculative_settings(overrides: list[str]) -> list[str]:
+    """The speculative arm's settings, SPECULATIVE with `overrides` (KEY=VALUE) in their place."""
+    settings = {o.split("=", 1)[0]: o for o in SPECULATIVE}
+    settings.update((o.split("=", 1)[0], o) for o in overrides)
+    return list(settings.values())
 
 
 def chat_prompts(tokenizer: Tokenizer) -> list[list[int]]:
@@ -229,19 +236,23 @@ def median(values) -> float | None:
 
 def summarize(rounds: list[dict], section: str, workload: str, key: str) -> dict:
     """Medians over rounds of each arm's `key`, the median of the rounds' on/off ratios, the
-    acceptance over all rounds, and whether greedy output was the same in both arms."""
+    acceptance over all rounds, a sequence's tokens per step (each of its steps makes one
+    token and keeps its accepted drafts: a bound on the speed-up, since a step with drafts
+    costs at least one without), and whether greedy output was the same in both arms."""
     off = [r["off"][section][workload] for r in rounds]
     on = [r["on"][section][workload] for r in rounds]
     accepted = sum(r["accepted"] for r in on)
     rejected = sum(r["rejected"] for r in on)
     drafts_verified = accepted + rejected
+    output = sum(r["output_tokens"] for r in on)
     same = all(a["outputs"] == b["outputs"] for a, b in zip(off, on)) if workload != "random" else None
     return {"off": median(r[key] for r in off), "on": median(r[key] for r in on),
             "ratio": median(b[key] / a[key] for a, b in zip(off, on) if a[key] and b[key]),
             "ratios": [b[key] / a[key] for a, b in zip(off, on) if a[key] and b[key]],
             "acceptance_rate": accepted / drafts_verified if drafts_verified else None,
-            "accepted_tokens": accepted, "draft_tokens": drafts_verified,
-            "output_tokens": sum(r["output_tokens"] for r in on), "same_greedy_output": same}
+            "accepted_tokens": accepted, "draft_tokens": drafts_verified, "output_tokens": output,
+            "tokens_per_step": output / (output - accepted) if output > accepted else None,
+            "same_greedy_output": same}
 
 
 def main() -> int:
@@ -279,7 +290,7 @@ def main() -> int:
             "random": lambda _: random_prompts(1, args.input_len, info.vocab_size, seed=1)}  # not a prompt measured
     warm_up = [(warm[name](prompts), params) for name, (prompts, params) in loads.items()]
     report: dict = {"cpu": cpu_features().describe(), "overrides": args.overrides,
-                    "speculative": SPECULATIVE + args.spec_overrides, "args": vars(args), "topologies": {}}
+                    "speculative": speculative_settings(args.spec_overrides), "args": vars(args), "topologies": {}}
     for topology in args.topology:
         rounds = []
         for r in range(args.rounds):
@@ -292,14 +303,15 @@ def main() -> int:
     print(f"\nSmolLM2-135M-Instruct, {report['cpu']}; speculative arm: {' '.join(report['speculative'])}"
           f"{'; both: ' + ' '.join(args.overrides) if args.overrides else ''}; medians of {args.rounds} rounds")
     print(f"{'topology':<9}{'run':<13}{'workload':<10}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}"
-          f"{'accept':>8}{'same':>6}")
+          f"{'accept':>8}{'tok/step':>9}{'same':>6}")
     for topology, summary in report["topologies"].items():
         for section, label in (("one_stream", "1 stream"), ("concurrent", f"c={args.concurrency} http")):
             for workload, s in summary.get(section, {}).items():
                 acc = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
+                per_step = f"{s['tokens_per_step']:.2f}" if s["tokens_per_step"] is not None else "-"
                 same = {True: "yes", False: "NO", None: "-"}[s["same_greedy_output"]]
                 print(f"{topology:<9}{label:<13}{workload:<10}{s['off']:>10.1f}{s['on']:>10.1f}"
-                      f"{s['ratio']:>8.2f}{acc:>8}{same:>6}")
+                      f"{s['ratio']:>8.2f}{acc:>8}{per_step:>9}{same:>6}")
     print(f"\nwrote {out}", file=sys.stderr)
     return 0
 

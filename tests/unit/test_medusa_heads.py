@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from meshserve.layers.matmul import bf16_exact
 from meshserve.layers.medusa import MedusaHeads
 from support.engines import make_engine
 from support.scripts import SCRIPTS, script_module
@@ -75,14 +76,8 @@ def test_the_lm_head_on_the_scripts_hidden_rows_gives_the_greedy_answers_back(ti
     path = tiny_checkpoints["llama"]
     with script_module("train_heads") as train:
         engine = make_engine(path, "scheduler.max_num_seqs=8")
-        convs = train.conversations(engine, ["tea", "maps"], max_tokens=10)
-        from meshserve.comm.groups import AxisGroup
-        from meshserve.layers.loader import build_model
-
-        model = build_model(engine.executor.runner.model.info, AxisGroup.single("tp"), torch.float32,
-                            max_position=256)
-        hidden = train.final_hidden(model, convs, model.info.hidden_size, tokens_per_batch=200)
-        lm_head = train.lm_head_matrix(model.info)
+        convs, hidden = train.conversations(engine, ["tea", "maps"], max_tokens=10)
+        lm_head = train.lm_head_matrix(engine.executor.runner.model.info)
         x, y = train.examples(hidden, convs, num_heads=2)
         vocab = train.draft_vocab(convs, 5)
     assert len(convs) == 2 * len(train.TEMPLATES)
@@ -108,6 +103,8 @@ def test_the_training_script_writes_heads_that_load(tiny_checkpoints, tmp_path):
     assert all(0 <= a <= 1 for a in figures["trained"]["top1"])
     heads = MedusaHeads.load(out, hidden_size=64, vocab_size=figures_vocab(tiny_checkpoints["llama"]))
     assert heads.num_heads == 2 and heads.sequential
+    weights = [block.linear.weight for head in heads.heads for block in head]
+    assert all(bf16_exact(w) and w.abs().sum() > 0 for w in [*weights, heads.lm_rows])  # half the bytes to read
 
 
 def figures_vocab(path) -> int:
