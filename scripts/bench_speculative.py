@@ -27,7 +27,8 @@ at --concurrency over HTTP (all requests at once, --per-slot per slot, each a st
 /v1/completions of token ids through the openai client; output tokens/s over the wall time).
 Prints the medians over rounds and the median of each round's on/off ratio;
 the acceptance rate and a sequence's tokens per step (the most speculation could speed it up)
-from the usage (accepted and rejected draft tokens). Greedy output (grounded, chat) is identical in both arms (checked: `same greedy output`).
+from the usage (accepted and rejected draft tokens). Greedy output (grounded, chat) is
+identical in both arms (checked: `same greedy output`).
 
     python scripts/bench_speculative.py [--topology tp1 tp3 pp2] [--rounds 3] [--set KEY=VALUE]
                                         [--json-out results/bench_speculative.json]
